@@ -1,0 +1,37 @@
+# The two commands: `make run` (the bridge on a local broker with config/bridge.yaml) and `make test`.
+# Needs only Python >= 3.11, Java >= 17 and Maven; everything else is installed here.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+CONFIG ?= config/bridge.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install kafka run test lint faults bench clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+# Resolve the Kafka broker jars from Maven Central into ~/.cache/rdq-bridge (once).
+kafka: install
+	$(BIN)/python -m localkafka fetch
+
+run: kafka
+	$(BIN)/python -m localkafka dev --config $(CONFIG)
+
+test: kafka
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .rdq .pytest_cache .mypy_cache .ruff_cache

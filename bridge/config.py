@@ -1,0 +1,266 @@
+"""Configuration (SPEC §2): pydantic models, the YAML file, `RDQ_` environment overrides.
+
+A bad config raises `ConfigError` naming the file and the field; the bridge never starts half-configured.
+Durations are seconds (int/float) or strings such as `250ms`, `30s`, `10m`, `2h`, `7d`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+ENV_PREFIX = "RDQ_"
+
+
+class ConfigError(ValueError):
+    """The configuration file or an override is invalid; the message names the file and the field."""
+
+
+def parse_duration(value: Any) -> Any:
+    """`250ms` → 0.25, `10m` → 600.0, 5 → 5.0; anything else is left for pydantic to reject."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match is None:
+            raise ValueError(f"not a duration: {value!r} (use seconds or e.g. 250ms, 30s, 10m, 2h, 7d)")
+        return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+PositiveDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaConfig(_Model):
+    bootstrap_servers: str
+    group_id: str = "rdq-bridge"
+    # Passed through to librdkafka as is (SASL/SSL settings included), for every client the bridge makes.
+    client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    # Records of one partition handled at once on first delivery (SPEC §5.2).
+    partition_concurrency: int = Field(default=16, ge=1, le=10_000)
+    # Topics the dev launcher / `rdq topics` create when missing.
+    topic_partitions: int = Field(default=3, ge=1)
+    topic_replication_factor: int = Field(default=1, ge=1)
+
+
+class StoreConfig(_Model):
+    path: Path = Path("./rdq.db")
+    busy_timeout: Duration = 5.0
+    synchronous: Literal["FULL", "NORMAL", "EXTRA"] = "FULL"
+    # Longest a write waits to be grouped with others before its transaction commits.
+    group_commit_window: Duration = 0.002
+    group_commit_max: int = Field(default=2000, ge=1)
+
+
+class BackoffConfig(_Model):
+    kind: Literal["fixed", "exponential"] = "exponential"
+    base: Duration = 1.0
+    factor: float = Field(default=2.0, ge=1.0)
+    max: Duration = 300.0
+    jitter: Literal["none", "full"] = "full"
+
+
+class HeartbeatConfig(_Model):
+    # How often a running handler's heartbeats are turned into lease extensions; default lease / 3.
+    interval: PositiveDuration | None = None
+
+
+class ErrorsConfig(_Model):
+    permanent: list[str] = Field(default_factory=list)
+    retryable: list[str] = Field(default_factory=list)
+    default: Literal["retryable", "permanent"] = "retryable"
+
+
+class QueueConfig(_Model):
+    handler: str = Field(min_length=1)
+    sources: list[str] = Field(default_factory=list)
+    max_attempts: int = Field(default=5, ge=1)
+    backoff: BackoffConfig = Field(default_factory=BackoffConfig)
+    lease: PositiveDuration = 30.0
+    heartbeat: HeartbeatConfig = Field(default_factory=HeartbeatConfig)
+    errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
+    version_mismatch: Literal["run-latest", "dead-letter"] = "run-latest"
+    queue_timeout: PositiveDuration | None = None
+    task_ttl: Duration = 7 * 86400.0
+    retain_from: Literal["finished", "fetched"] = "finished"
+    dlq_topic: str | None = None
+    concurrency: int = Field(default=8, ge=1, le=10_000)
+    max_open_tasks: int = Field(default=100_000, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retain_alias(cls, data: Any) -> Any:
+        # SPEC §2 names the retention setting both `task_ttl` and `retain`; accept either, not both.
+        if isinstance(data, dict) and "retain" in data:
+            if "task_ttl" in data:
+                raise ValueError("set `task_ttl` or `retain`, not both")
+            data = {**data, "task_ttl": data["retain"]}
+            del data["retain"]
+        return data
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.heartbeat.interval or self.lease / 3
+
+
+class AdminAuth(_Model):
+    keys: dict[str, str] = Field(min_length=1)
+    # The key the CLI signs with; the first key when unset.
+    signing_key: str | None = None
+    max_skew: PositiveDuration = 300.0
+
+    @model_validator(mode="after")
+    def _signing_key_known(self) -> AdminAuth:
+        if self.signing_key is not None and self.signing_key not in self.keys:
+            raise ValueError(f"signing_key {self.signing_key!r} is not one of keys")
+        return self
+
+
+class AdminConfig(_Model):
+    topic: str = "rdq.admin"
+    reply_topic: str = "rdq.admin.replies"
+    # Running without signatures must be said explicitly: `auth: none`.
+    auth: AdminAuth | Literal["none"]
+
+
+class TelemetryConfig(_Model):
+    tracing: Literal["none", "console", "otlp"] = "none"
+    otlp_endpoint: str | None = None
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, le=65535)
+
+
+class EngineConfig(_Model):
+    instance_id: str | None = None
+    sweep_interval: PositiveDuration = 1.0
+    poll_interval: PositiveDuration = 0.05
+    grace_period: Duration = 10.0
+    handler_modules: list[str] = Field(default_factory=lambda: ["handlers"])
+
+
+class BridgeConfig(_Model):
+    kafka: KafkaConfig
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    queues: dict[str, QueueConfig] = Field(min_length=1)
+    admin: AdminConfig | None = None
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def _one_queue_per_source(self) -> BridgeConfig:
+        owner: dict[str, str] = {}
+        for name, queue in self.queues.items():
+            for topic in queue.sources:
+                if topic in owner:
+                    raise ValueError(f"source topic {topic!r} is claimed by queues {owner[topic]!r} and {name!r}")
+                owner[topic] = name
+        return self
+
+    def dlq_topic(self, queue: str) -> str:
+        return self.queues[queue].dlq_topic or f"{queue}.dlq"
+
+    def queue_for_topic(self, topic: str) -> str | None:
+        for name, queue in self.queues.items():
+            if topic in queue.sources:
+                return name
+        return None
+
+    def topics(self) -> list[str]:
+        """Every topic the bridge reads or writes: sources, DLQs, admin and replies."""
+        names: list[str] = []
+        for name, queue in self.queues.items():
+            names += [*queue.sources, self.dlq_topic(name)]
+        if self.admin is not None:
+            names += [self.admin.topic, self.admin.reply_topic]
+        return list(dict.fromkeys(names))
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "." in part or " " in part:
+            out += f"[{part!r}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if p not in ("function-after", "function-before"))
+        got = f" (got {item['input']!r})" if not isinstance(item.get("input"), dict | list) else ""
+        lines.append(f"  {_format_loc(loc)}: {item['msg']}{got}")
+    return "\n".join(lines)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path):
+        # Match existing keys case-insensitively: env names are upper case, YAML keys need not be.
+        key = next((k for k in node if str(k).lower() == part.lower()), part.lower())
+        if i == len(path) - 1:
+            node[key] = value
+            return
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+
+
+def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """`RDQ_KAFKA__BOOTSTRAP_SERVERS=h:9092` sets kafka.bootstrap_servers; values parse as YAML scalars."""
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = [p for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not path:
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        _set_path(tree, path, value)
+    return tree
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> BridgeConfig:
+    """Read, override and validate; raise ConfigError naming the file and field on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror or e}") from e
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, not {type(tree).__name__}")
+    tree = apply_env_overrides(tree, os.environ if environ is None else environ)
+    return parse_config(tree, str(path))
+
+
+def parse_config(tree: dict[str, Any], source: str = "<config>") -> BridgeConfig:
+    try:
+        return BridgeConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, source)) from e

@@ -1,0 +1,101 @@
+"""The retry engine, independent of Kafka: store + scheduler + sweep, and the operations others call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+from bridge.clock import Clock, SystemClock
+from bridge.live_config import LiveConfig
+from bridge.model import Task
+from bridge.registry import Registry
+from bridge.scheduler import Scheduler
+from bridge.store import Store
+from bridge.sweep import Sweeper
+
+log = logging.getLogger(__name__)
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Engine:
+    def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock | None = None,
+                 instance_id: str | None = None, executor: ThreadPoolExecutor | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.registry = registry
+        self.clock = clock or SystemClock()
+        self.instance_id = instance_id or config.current.engine.instance_id or default_instance_id()
+        threads = sum(q.concurrency for q in config.current.queues.values()) + 8
+        self.executor = executor or ThreadPoolExecutor(max_workers=min(threads, 256), thread_name_prefix="rdq-handler")
+        # Set whenever a task goes DEAD: the DLQ publisher wakes on it.
+        self.dead_event = asyncio.Event()
+        self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.executor,
+                                   on_dead=self._on_dead)
+        self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change)
+
+    def _on_dead(self, task: Task) -> None:
+        self.dead_event.set()
+
+    def _on_change(self, queue: str) -> None:
+        self.scheduler.wake(queue)
+        self.dead_event.set()
+
+    async def redrive(self, task_id: str, by: str | None = None, request_id: str | None = None) -> bool:
+        """DEAD → PENDING, due now (SPEC §7.3). False when the task is missing or not DEAD."""
+        ok = await self.store.redrive(task_id, self.clock.now_ms(), by, request_id)
+        if ok:
+            task = await self.store.get(task_id)
+            if task is not None:
+                self.scheduler.wake(task.queue)
+        return ok
+
+    async def redrive_queue(self, queue: str, error_type: str | None = None, since: int | None = None,
+                            until: int | None = None, limit: int = 1000, dry_run: bool = False,
+                            by: str | None = None, request_id: str | None = None) -> list[str]:
+        """Redrive a queue's DEAD tasks matching the filters; with dry_run, only say which."""
+        ids = await self.store.dead_ids(queue, error_type, since, until, limit)
+        if dry_run:
+            return ids
+        now = self.clock.now_ms()
+        done = [i for i in ids if await self.store.redrive(i, now, by, request_id)]
+        if done:
+            self.scheduler.wake(queue)
+        return done
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Scheduler, sweep and config watcher until `stop`; one of them dying stops the others."""
+        parts = [
+            asyncio.create_task(self.scheduler.run(stop), name="rdq-scheduler"),
+            asyncio.create_task(self.sweeper.run(stop, self.config.current.engine.sweep_interval), name="rdq-sweep"),
+            asyncio.create_task(self.config.watch(stop), name="rdq-config-watch"),
+        ]
+        try:
+            await supervise(parts, stop)
+        finally:
+            await self.scheduler.drain(self.config.current.engine.grace_period)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def supervise(parts: list[asyncio.Task[None]], stop: asyncio.Event) -> None:
+    """Wait for `stop`; if a part ends first (crash or not), set `stop` and re-raise its error."""
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*parts, stopper], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+    stop.set()
+    failed = [p for p in done if p is not stopper and not p.cancelled() and p.exception() is not None]
+    await asyncio.gather(*parts, return_exceptions=True)
+    if failed:
+        error = failed[0].exception()
+        log.error("%s stopped with an error; stopping the bridge", failed[0].get_name())
+        assert error is not None
+        raise error

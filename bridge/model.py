@@ -1,0 +1,222 @@
+"""The task and its attempts (SPEC §3). Times are integer milliseconds since the Unix epoch, UTC."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import sqlite3
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ulid import ULID
+
+# Error types the bridge itself declares (distinct so an operator can tell them apart at 3am).
+UNROUTABLE = "rdq.Unroutable"
+VERSION_MISMATCH = "rdq.HandlerVersionMismatch"
+TIMEOUT = "rdq.Timeout"
+LEASE_EXPIRED = "rdq.LeaseExpired"
+
+
+class Status(StrEnum):
+    PENDING = "PENDING"
+    IN_FLIGHT = "IN_FLIGHT"
+    SUCCEEDED = "SUCCEEDED"
+    DEAD = "DEAD"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Status.SUCCEEDED, Status.DEAD)
+
+
+class Outcome(StrEnum):
+    SUCCESS = "SUCCESS"
+    RETRYABLE_FAILURE = "RETRYABLE_FAILURE"
+    PERMANENT_FAILURE = "PERMANENT_FAILURE"
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+
+
+def new_task_id() -> str:
+    return str(ULID())
+
+
+def rfc3339(ms: int | None) -> str | None:
+    if ms is None:
+        return None
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    type: str
+    message: str = ""
+    stack: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, stack: str | None = None) -> ErrorInfo:
+        kind = type(exc)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(name, str(exc), stack)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    attempt_no: int
+    redrive_no: int
+    started_at: int
+    finished_at: int
+    outcome: Outcome
+    error: ErrorInfo | None = None
+    worker: str | None = None
+    late_result_of: int | None = None
+    seq: int = 0
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Attempt:
+        error = None
+        if row["error_type"] is not None:
+            error = ErrorInfo(row["error_type"], row["error_message"] or "", row["error_stack"])
+        return cls(
+            attempt_no=row["attempt_no"], redrive_no=row["redrive_no"], started_at=row["started_at"],
+            finished_at=row["finished_at"], outcome=Outcome(row["outcome"]), error=error, worker=row["worker"],
+            late_result_of=row["late_result_of"], seq=row["seq"],
+        )  # fmt: skip
+
+    def params(self, task_id: str) -> dict[str, Any]:
+        return {
+            "task_id": task_id, "attempt_no": self.attempt_no, "redrive_no": self.redrive_no,
+            "started_at": self.started_at, "finished_at": self.finished_at, "outcome": self.outcome.value,
+            "error_type": self.error.type if self.error else None,
+            "error_message": self.error.message if self.error else None,
+            "error_stack": self.error.stack if self.error else None,
+            "worker": self.worker, "late_result_of": self.late_result_of,
+        }  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attempt_no": self.attempt_no,
+            "redrive_no": self.redrive_no,
+            "started_at": rfc3339(self.started_at),
+            "finished_at": rfc3339(self.finished_at),
+            "outcome": self.outcome.value,
+            "error": asdict(self.error) if self.error else None,
+            "worker": self.worker,
+            **({"late_result_of": self.late_result_of} if self.late_result_of is not None else {}),
+        }
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    queue: str
+    handler_ref: str
+    handler_version: str | None
+    payload: bytes
+    payload_content_type: str
+    headers: dict[str, str]
+    status: Status
+    attempt_count: int
+    redrive_count: int
+    next_attempt_at: int | None
+    lease_expires_at: int | None
+    lease_token: int
+    lease_owner: str | None
+    lease_started_at: int | None
+    created_at: int
+    life_started_at: int
+    finished_at: int | None
+    fetched_at: int | None
+    dead_reason: ErrorInfo | None
+    dlq_state: str | None
+    dlq_topic: str | None
+    dlq_partition: int | None
+    dlq_offset: int | None
+    attempts: tuple[Attempt, ...] = field(default=())
+
+    @property
+    def source(self) -> str:
+        return self.headers.get("rdq.source", "")
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row, attempts: tuple[Attempt, ...] = ()) -> Task:
+        reason = None
+        if row["dead_reason_type"] is not None:
+            reason = ErrorInfo(row["dead_reason_type"], row["dead_reason_message"] or "")
+        return cls(
+            id=row["id"], queue=row["queue"], handler_ref=row["handler_ref"],
+            handler_version=row["handler_version"], payload=bytes(row["payload"]),
+            payload_content_type=row["payload_content_type"], headers=json.loads(row["headers"]),
+            status=Status(row["status"]), attempt_count=row["attempt_count"], redrive_count=row["redrive_count"],
+            next_attempt_at=row["next_attempt_at"], lease_expires_at=row["lease_expires_at"],
+            lease_token=row["lease_token"], lease_owner=row["lease_owner"],
+            lease_started_at=row["lease_started_at"], created_at=row["created_at"],
+            life_started_at=row["life_started_at"], finished_at=row["finished_at"], fetched_at=row["fetched_at"],
+            dead_reason=reason, dlq_state=row["dlq_state"], dlq_topic=row["dlq_topic"],
+            dlq_partition=row["dlq_partition"], dlq_offset=row["dlq_offset"], attempts=attempts,
+        )  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        """Every SPEC §3 field, payload base64, times RFC 3339: the DLQ envelope's and the CLI's view."""
+        return {
+            "id": self.id,
+            "queue": self.queue,
+            "handler_ref": self.handler_ref,
+            "handler_version": self.handler_version,
+            "payload": base64.b64encode(self.payload).decode("ascii"),
+            "payload_content_type": self.payload_content_type,
+            "headers": dict(self.headers),
+            "status": self.status.value,
+            "attempt_count": self.attempt_count,
+            "redrive_count": self.redrive_count,
+            "next_attempt_at": rfc3339(self.next_attempt_at),
+            "lease_expires_at": rfc3339(self.lease_expires_at),
+            "created_at": rfc3339(self.created_at),
+            "life_started_at": rfc3339(self.life_started_at),
+            "finished_at": rfc3339(self.finished_at),
+            "fetched_at": rfc3339(self.fetched_at),
+            "dead_reason": asdict(self.dead_reason) if self.dead_reason else None,
+            "dlq": {"state": self.dlq_state, "topic": self.dlq_topic, "partition": self.dlq_partition,
+                    "offset": self.dlq_offset} if self.dlq_state else None,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """A first-delivery failure to store: PENDING (retry due at next_attempt_at) or DEAD (dead-letter now)."""
+
+    queue: str
+    handler_ref: str
+    payload: bytes
+    headers: dict[str, str]
+    status: Status
+    created_at: int
+    first_attempt: Attempt | None
+    next_attempt_at: int | None = None
+    dead_reason: ErrorInfo | None = None
+    handler_version: str | None = None
+    payload_content_type: str = "application/octet-stream"
+    id: str = field(default_factory=new_task_id)
+
+    def __post_init__(self) -> None:
+        if self.status == Status.PENDING and self.next_attempt_at is None:
+            raise ValueError("a PENDING task needs next_attempt_at")
+        if self.status == Status.DEAD and self.dead_reason is None:
+            raise ValueError("a DEAD task needs a dead_reason")
+        if self.status not in (Status.PENDING, Status.DEAD):
+            raise ValueError("a new task is PENDING or DEAD")
+
+    def params(self) -> dict[str, Any]:
+        dead = self.status == Status.DEAD
+        return {
+            "id": self.id, "queue": self.queue, "handler_ref": self.handler_ref,
+            "handler_version": self.handler_version, "payload": self.payload,
+            "payload_content_type": self.payload_content_type,
+            "headers": json.dumps(self.headers, separators=(",", ":")), "status": self.status.value,
+            "attempt_count": 1 if self.first_attempt else 0,
+            "next_attempt_at": None if dead else self.next_attempt_at, "created_at": self.created_at,
+            "finished_at": self.created_at if dead else None,
+            "dead_reason_type": self.dead_reason.type if self.dead_reason else None,
+            "dead_reason_message": self.dead_reason.message if self.dead_reason else None,
+            "dlq_state": "PENDING" if dead else None,
+        }  # fmt: skip

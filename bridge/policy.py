@@ -1,0 +1,73 @@
+"""Retry policy as small immutable values: classify an outcome, then decide "retry after N s" or "dead".
+
+The policy is never stored on a task: it is resolved from the live queue config at the moment it is needed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bridge.config import BackoffConfig, ErrorsConfig, QueueConfig
+from bridge.handler_api import Permanent, Retry
+from bridge.model import Outcome
+
+
+@dataclass(frozen=True)
+class Decision:
+    """None `retry_after`: dead-letter. Otherwise retry after that many seconds."""
+
+    retry_after: float | None
+
+    @property
+    def dead(self) -> bool:
+        return self.retry_after is None
+
+
+DEAD = Decision(None)
+
+
+def backoff_delay(backoff: BackoffConfig, attempt: int, rand: Callable[[], float] = random.random) -> float:
+    """Delay before the attempt after `attempt` (1-based) failed."""
+    if backoff.kind == "fixed":
+        delay = backoff.base
+    else:
+        # Cap the exponent so a huge attempt count cannot overflow a float before `max` applies.
+        delay = backoff.base * backoff.factor ** min(attempt - 1, 1000)
+    delay = min(delay, backoff.max)
+    if backoff.jitter == "full":
+        delay *= rand()
+    return delay
+
+
+def _names(exc_type: type[BaseException]) -> set[str]:
+    names = set()
+    for klass in exc_type.__mro__:
+        names.add(klass.__qualname__)
+        names.add(f"{klass.__module__}.{klass.__qualname__}")
+    return names
+
+
+def classify(exc: BaseException, errors: ErrorsConfig) -> Outcome:
+    """Explicit signals first, then the queue's lists (exception names, matched along the class hierarchy)."""
+    if isinstance(exc, Permanent):
+        return Outcome.PERMANENT_FAILURE
+    if isinstance(exc, Retry):
+        return Outcome.RETRYABLE_FAILURE
+    names = _names(type(exc))
+    if names & set(errors.permanent):
+        return Outcome.PERMANENT_FAILURE
+    if names & set(errors.retryable):
+        return Outcome.RETRYABLE_FAILURE
+    return Outcome.PERMANENT_FAILURE if errors.default == "permanent" else Outcome.RETRYABLE_FAILURE
+
+
+def decide(queue: QueueConfig, outcome: Outcome, attempt_count: int, requested_delay: float | None = None,
+           rand: Callable[[], float] = random.random) -> Decision:
+    """After a failed attempt: retry (when attempts remain) or dead-letter."""
+    if outcome == Outcome.PERMANENT_FAILURE or attempt_count >= queue.max_attempts:
+        return DEAD
+    if requested_delay is not None:
+        return Decision(max(0.0, requested_delay))
+    return Decision(backoff_delay(queue.backoff, attempt_count, rand))

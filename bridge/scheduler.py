@@ -1,0 +1,256 @@
+"""The scheduler: per-queue concurrency; claim due tasks under a lease, run the handler, record the outcome.
+
+A running attempt keeps its lease alive only through the handler's heartbeats: a keeper turns recent beats
+into lease extensions; when an extension is refused (the lease was reclaimed, a late result finished the task,
+or a timeout killed it) the handler is told to abandon (async: cancelled; sync: `heartbeat()` raises LeaseLost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from bridge.clock import Clock
+from bridge.config import QueueConfig
+from bridge.handler_api import HandlerContext
+from bridge.live_config import LiveConfig
+from bridge.model import UNROUTABLE, VERSION_MISMATCH, ErrorInfo, Outcome, Task
+from bridge.policy import decide
+from bridge.registry import Registry
+from bridge.runner import RunOutcome, outcome_of, start_handler
+from bridge.store import Result, RunReport, Store, StoreError
+
+log = logging.getLogger(__name__)
+_MAX_IDLE = 1.0
+
+
+@dataclass
+class _Execution:
+    task: Task
+    ctx: HandlerContext | None = None
+    running: asyncio.Future[None] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: asyncio.Task[None] | None = None  # referenced here so the event loop cannot collect it
+
+
+class Scheduler:
+    def __init__(self, store: Store, registry: Registry, config: LiveConfig, clock: Clock, instance_id: str,
+                 executor: Executor | None = None, on_dead: Callable[[Task], None] | None = None,
+                 rand: Callable[[], float] = random.random) -> None:
+        self.store = store
+        self.registry = registry
+        self.config = config
+        self.clock = clock
+        self.instance_id = instance_id
+        self.executor = executor
+        self.on_dead = on_dead
+        self.rand = rand
+        self.paused: set[str] = set()
+        self._running: dict[str, _Execution] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._slot_freed = asyncio.Event()
+        self._stopping = False
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    def wake(self, queue: str) -> None:
+        """A task in `queue` may be due now (a new failure, a redrive): look again without waiting."""
+        self._wake.setdefault(queue, asyncio.Event()).set()
+
+    def running_count(self, queue: str | None = None) -> int:
+        return sum(1 for e in self._running.values() if queue is None or e.task.queue == queue)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Claim and run until `stop`; one loop per configured queue (queues added by a reload join)."""
+        loops: dict[str, asyncio.Task[None]] = {}
+        while not stop.is_set():
+            for name in self.config.queue_names():
+                if name not in loops or loops[name].done():
+                    loops[name] = asyncio.create_task(self._queue_loop(name, stop), name=f"rdq-queue-{name}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _MAX_IDLE)
+        for name in loops:
+            self.wake(name)
+        await asyncio.gather(*loops.values(), return_exceptions=True)
+
+    async def _queue_loop(self, name: str, stop: asyncio.Event) -> None:
+        wake = self._wake.setdefault(name, asyncio.Event())
+        while not stop.is_set():
+            queue = self.config.queue(name)
+            if queue is None:
+                return  # removed by a reload; tasks already running finish on their own
+            wake.clear()
+            claimed = 0
+            if name not in self.paused:
+                try:
+                    claimed = await self.run_once(name)
+                except StoreError as e:
+                    log.error("claim failed: %s", e, extra={"queue": name})
+            if claimed == 0 or self.running_count(name) >= queue.concurrency:
+                await self._idle(name, queue, wake, stop)
+
+    async def _idle(self, name: str, queue: QueueConfig, wake: asyncio.Event, stop: asyncio.Event) -> None:
+        timeout = _MAX_IDLE
+        if self.running_count(name) >= queue.concurrency:
+            self._slot_freed.clear()
+            waiters = [self._slot_freed.wait(), wake.wait(), stop.wait()]
+        else:
+            next_due = await self.store.next_due_at(name)
+            if next_due is not None:
+                timeout = min(_MAX_IDLE, max(0.0, (next_due - self.clock.now_ms()) / 1000))
+            waiters = [wake.wait(), stop.wait()]
+        if timeout <= 0:
+            return
+        tasks = [asyncio.ensure_future(w) for w in waiters]
+        try:
+            await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def run_once(self, name: str) -> int:
+        """Claim as many due tasks as free slots allow and start them. Returns how many were claimed."""
+        queue = self.config.queue(name)
+        if queue is None or self._stopping:
+            return 0
+        free = queue.concurrency - self.running_count(name)
+        if free <= 0:
+            return 0
+        owner = f"{self.instance_id}"
+        tasks = await self.store.claim_due(name, free, queue.lease, owner, self.clock.now_ms())
+        for task in tasks:
+            execution = _Execution(task)
+            self._running[task.id] = execution
+            execution.runner = asyncio.create_task(self._execute(execution), name=f"rdq-task-{task.id}")
+        return len(tasks)
+
+    # ---- one attempt -----------------------------------------------------------------------------------
+
+    async def _execute(self, execution: _Execution) -> None:
+        task = execution.task
+        try:
+            await self._attempt(execution)
+        except StoreError as e:
+            # The outcome could not be written: the lease lapses and the sweep reclaims the task. Nothing lost.
+            log.error("could not record the outcome: %s", e, extra={"task_id": task.id, "queue": task.queue})
+        except Exception:
+            log.exception("scheduler error", extra={"task_id": task.id, "queue": task.queue})
+        finally:
+            self._running.pop(task.id, None)
+            execution.done.set()
+            self._slot_freed.set()
+
+    async def _attempt(self, execution: _Execution) -> None:
+        task = execution.task
+        queue = self.config.queue(task.queue)
+        started = self.clock.now_ms()
+        handler = self.registry.get(task.handler_ref)
+        if queue is None:
+            return  # queue removed by a reload: leave the lease to lapse; the task is kept
+        if handler is None:
+            reason = ErrorInfo(UNROUTABLE, f"no handler registered as {task.handler_ref!r} on {self.instance_id}")
+            await self._finish_dead(task, RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, reason,
+                                                    self.instance_id), reason)
+            return
+        if (task.handler_version and handler.version and task.handler_version != handler.version
+                and queue.version_mismatch == "dead-letter"):
+            reason = ErrorInfo(VERSION_MISMATCH, f"task pinned to {task.handler_ref}@{task.handler_version}, "
+                                                 f"registered version is {handler.version}")
+            await self._finish_dead(task, RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, reason,
+                                                    self.instance_id), reason)
+            return
+        ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
+                             task.payload_content_type, task.headers)
+        execution.ctx = ctx
+        execution.running = await start_handler(handler, ctx, self.executor)
+        keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running))
+        try:
+            await asyncio.wait([execution.running])
+        finally:
+            keeper.cancel()
+        result = outcome_of(execution.running, queue.errors)
+        await self._record(task, queue, started, result)
+
+    async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig,
+                          running: asyncio.Future[None]) -> None:
+        """Every heartbeat interval: extend the lease if the handler beat since the last check."""
+        checked = ctx.last_beat
+        while not running.done():
+            await asyncio.sleep(queue.heartbeat_interval)
+            if ctx.last_beat == checked:
+                continue
+            checked = ctx.last_beat
+            if not await self.store.extend_lease(task.id, task.lease_token, queue.lease, self.clock.now_ms()):
+                log.warning("lease lost; abandoning the attempt", extra={"task_id": task.id, "queue": task.queue})
+                ctx._lease_lost.set()
+                running.cancel()  # async handlers stop here; a sync one learns at its next heartbeat()
+                return
+
+    async def _record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome) -> None:
+        now = self.clock.now_ms()
+        report = RunReport(started, now, result.outcome, result.error, self.instance_id)
+        extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
+        if result.ok:
+            outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
+        elif result.lease_lost and result.outcome != Outcome.SUCCESS:
+            return  # abandoned after losing the lease: whoever holds the task now records its outcome
+        else:
+            decision = decide(queue, result.outcome, task.attempt_count, result.requested_delay, self.rand)
+            if decision.retry_after is None:
+                assert result.error is not None
+                outcome = await self._finish_dead(task, report, result.error)
+            else:
+                next_at = now + int(decision.retry_after * 1000)
+                outcome = await self.store.record_retry(task.id, task.lease_token, report, next_at)
+                if outcome.accepted and decision.retry_after == 0:
+                    self.wake(task.queue)
+        if not outcome.accepted:
+            log.info("result refused: the task was re-queued or finished elsewhere", extra=extra)
+
+    async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
+        result = await self.store.record_dead(task.id, task.lease_token, report, reason)
+        if result.accepted:
+            log.warning("task dead: %s: %s", reason.type, reason.message,
+                        extra={"task_id": task.id, "queue": task.queue})
+            if self.on_dead is not None:
+                self.on_dead(task)
+        return result
+
+    # ---- graceful stop (SPEC §4.9) ---------------------------------------------------------------------
+
+    async def drain(self, grace: float) -> int:
+        """Stop claiming; let running attempts finish within `grace`; release the leases still held.
+
+        Returns how many leases were released. Releasing re-queues at once (no waiting for the lease to lapse);
+        a sync handler still running in its thread is abandoned: its task runs again (at-least-once).
+        """
+        self._stopping = True
+        pending = list(self._running.values())
+        if pending:
+            waits = [asyncio.ensure_future(e.done.wait()) for e in pending]
+            await asyncio.wait(waits, timeout=grace)
+            for w in waits:
+                w.cancel()
+        left = list(self._running.values())
+        released = await asyncio.shield(self._release(left))
+        return released
+
+    async def _release(self, executions: list[_Execution]) -> int:
+        released = 0
+        for execution in executions:
+            if execution.ctx is not None:
+                execution.ctx._lease_lost.set()
+            if execution.running is not None:
+                execution.running.cancel()
+            try:
+                if await self.store.release(execution.task.id, execution.task.lease_token, self.clock.now_ms()):
+                    released += 1
+            except StoreError as e:
+                log.error("could not release a lease (the sweep will reclaim it): %s", e,
+                          extra={"task_id": execution.task.id})
+        return released

@@ -1,0 +1,181 @@
+-- Every query the store runs, one name each (loaded by bridge/queries.py).
+-- Each post-claim transition is a compare-and-set on (id, lease_token, status): no row changed = refused.
+
+-- name: insert_task
+INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
+                   attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
+                   dead_reason_type, dead_reason_message, dlq_state)
+VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status,
+        :attempt_count, 0, :next_attempt_at, :created_at, :created_at, :finished_at,
+        :dead_reason_type, :dead_reason_message, :dlq_state);
+
+-- name: insert_attempt
+INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
+                      error_type, error_message, error_stack, worker, late_result_of)
+VALUES (:task_id, (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE task_id = :task_id),
+        :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
+        :error_type, :error_message, :error_stack, :worker, :late_result_of);
+
+-- name: claim_due
+UPDATE tasks
+   SET status = 'IN_FLIGHT', attempt_count = attempt_count + 1, lease_token = lease_token + 1,
+       lease_expires_at = :now + :lease_ms, lease_owner = :owner, lease_started_at = :now
+ WHERE id IN (SELECT id FROM tasks
+               WHERE queue = :queue AND status = 'PENDING' AND next_attempt_at <= :now
+               ORDER BY next_attempt_at LIMIT :limit)
+RETURNING *;
+
+-- name: next_due_at
+SELECT MIN(next_attempt_at) FROM tasks WHERE queue = :queue AND status = 'PENDING';
+
+-- name: extend_lease
+UPDATE tasks SET lease_expires_at = :now + :lease_ms
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND lease_expires_at > :now;
+
+-- name: finish_success
+UPDATE tasks
+   SET status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, finished_at = :now
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
+RETURNING attempt_count, redrive_count;
+
+-- name: finish_late_success
+-- A stale holder's success still counts while nothing finished the task (first result wins, SPEC §4.5).
+-- From PENDING it is one more attempt; from IN_FLIGHT it takes the current holder's attempt number.
+UPDATE tasks
+   SET attempt_count = attempt_count + (status = 'PENDING'),
+       status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, finished_at = :now
+ WHERE id = :id AND status IN ('PENDING', 'IN_FLIGHT') AND lease_token >= :token
+RETURNING attempt_count, redrive_count;
+
+-- name: reschedule
+UPDATE tasks
+   SET status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
+RETURNING attempt_count, redrive_count;
+
+-- name: finish_dead
+UPDATE tasks
+   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, finished_at = :now, dead_reason_type = :reason_type,
+       dead_reason_message = :reason_message, dlq_state = 'PENDING'
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
+RETURNING attempt_count, redrive_count;
+
+-- name: release_lease
+-- Graceful stop hands the task back at once; the interrupted run does not count as an attempt.
+UPDATE tasks
+   SET status = 'PENDING', next_attempt_at = :now, attempt_count = attempt_count - 1,
+       lease_expires_at = NULL, lease_owner = NULL, lease_started_at = NULL
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT';
+
+-- name: lapsed_leases
+SELECT id, queue, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner, lease_expires_at
+  FROM tasks WHERE status = 'IN_FLIGHT' AND lease_expires_at <= :now
+ ORDER BY lease_expires_at LIMIT :limit;
+
+-- name: expire_lease_reschedule
+UPDATE tasks
+   SET status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND lease_expires_at <= :now;
+
+-- name: expire_lease_dead
+UPDATE tasks
+   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, finished_at = :now, dead_reason_type = :reason_type,
+       dead_reason_message = :reason_message, dlq_state = 'PENDING'
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND lease_expires_at <= :now;
+
+-- name: timed_out
+SELECT id, status, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner
+  FROM tasks
+ WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT') AND life_started_at < :cutoff
+ LIMIT :limit;
+
+-- name: time_out_task
+UPDATE tasks
+   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, finished_at = :now, dead_reason_type = 'rdq.Timeout',
+       dead_reason_message = :reason_message, dlq_state = 'PENDING'
+ WHERE id = :id AND status = :status AND lease_token = :token AND life_started_at < :cutoff;
+
+-- name: purge_finished
+-- A DEAD task is never purged before its DLQ record is acknowledged: that would lose it.
+DELETE FROM tasks
+ WHERE id IN (SELECT id FROM tasks
+               WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD') AND finished_at < :cutoff
+               LIMIT :limit)
+   AND dlq_state IS NOT 'PENDING'
+RETURNING id;
+
+-- name: purge_fetched
+DELETE FROM tasks
+ WHERE id IN (SELECT id FROM tasks
+               WHERE queue = :queue AND fetched_at IS NOT NULL AND fetched_at < :cutoff LIMIT :limit)
+   AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
+RETURNING id;
+
+-- name: purge_task
+DELETE FROM tasks WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
+RETURNING id;
+
+-- name: delete_attempts
+DELETE FROM attempts WHERE task_id = :id;
+
+-- name: delete_redrives
+DELETE FROM redrives WHERE task_id = :id;
+
+-- name: mark_fetched
+UPDATE tasks SET fetched_at = :now
+ WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND fetched_at IS NULL;
+
+-- name: redrive
+UPDATE tasks
+   SET status = 'PENDING', attempt_count = 0, redrive_count = redrive_count + 1, next_attempt_at = :now,
+       life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
+       dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL
+ WHERE id = :id AND status = 'DEAD'
+RETURNING redrive_count;
+
+-- name: insert_redrive
+INSERT INTO redrives (task_id, redrive_no, at, by, request_id)
+VALUES (:task_id, :redrive_no, :at, :by, :request_id);
+
+-- name: dlq_outbox
+SELECT * FROM tasks WHERE status = 'DEAD' AND dlq_state = 'PENDING' ORDER BY finished_at LIMIT :limit;
+
+-- name: mark_dlq_published
+UPDATE tasks
+   SET dlq_state = 'PUBLISHED', dlq_topic = :topic, dlq_partition = :partition, dlq_offset = :offset,
+       fetched_at = COALESCE(fetched_at, :now)
+ WHERE id = :id AND status = 'DEAD' AND dlq_state = 'PENDING' AND redrive_count = :redrive_count;
+
+-- name: get_task
+SELECT * FROM tasks WHERE id = :id;
+
+-- name: get_attempts
+SELECT * FROM attempts WHERE task_id = :id ORDER BY seq;
+
+-- name: get_redrives
+SELECT * FROM redrives WHERE task_id = :id ORDER BY redrive_no;
+
+-- name: list_tasks
+SELECT * FROM tasks
+ WHERE (:queue IS NULL OR queue = :queue) AND (:status IS NULL OR status = :status)
+ ORDER BY id LIMIT :limit;
+
+-- name: dead_tasks_filtered
+SELECT id FROM tasks
+ WHERE queue = :queue AND status = 'DEAD'
+   AND (:error_type IS NULL OR dead_reason_type = :error_type)
+   AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
+ ORDER BY finished_at LIMIT :limit;
+
+-- name: count_by_queue_status
+SELECT queue, status, COUNT(*) AS n FROM tasks GROUP BY queue, status;
+
+-- name: count_open
+SELECT COUNT(*) FROM tasks WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT');

@@ -1,0 +1,469 @@
+"""The durable retry store: SQLite on disk, WAL, `synchronous=FULL` by default (SPEC §3, §4).
+
+Writes are group-committed: callers enqueue operations, one writer runs everything queued in a single
+transaction on aiosqlite's connection thread and answers each caller only after COMMIT returned, so storing
+N failures costs one fsync, not N. Every transition after a claim is a compare-and-set on
+(id, lease_token, status); a refused one reports `accepted=False` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, Task
+from bridge.queries import migrations, q
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_MS = 1000
+
+
+class StoreError(RuntimeError):
+    """The store could not be written or read (disk full, read-only, corrupt, newer schema)."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """The answer to a post-claim mutation. `accepted=False`: stale token or terminal task, nothing changed."""
+
+    accepted: bool
+    status: Status | None = None
+    attempt_no: int | None = None
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What a handler run produced, before the store numbers it."""
+
+    started_at: int
+    finished_at: int
+    outcome: Outcome
+    error: ErrorInfo | None = None
+    worker: str | None = None
+
+
+@dataclass
+class _Op:
+    fn: Callable[[sqlite3.Connection], Any]
+    future: asyncio.Future[Any]
+    new_task: NewTask | None = None  # submits are inserted in bulk with executemany
+
+
+@dataclass(frozen=True)
+class SweepCounts:
+    lease_expired: int = 0
+    timed_out: int = 0
+    purged: int = 0
+
+
+@dataclass
+class _Stats:
+    batches: int = 0
+    ops: int = 0
+    largest_batch: int = 0
+    by_queue_status: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * _MS)
+
+
+def _attempt_params(task_id: str, report: RunReport, attempt_no: int, redrive_no: int,
+                    late_result_of: int | None = None) -> dict[str, Any]:
+    attempt = Attempt(attempt_no, redrive_no, report.started_at, report.finished_at, report.outcome,
+                      report.error, report.worker, late_result_of)
+    return attempt.params(task_id)
+
+
+class Store:
+    def __init__(self, db: aiosqlite.Connection, path: Path, group_commit_max: int) -> None:
+        self._db = db
+        self.path = path
+        self._group_commit_max = group_commit_max
+        self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self.stats = _Stats()
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, path: str | Path, synchronous: str = "FULL", busy_timeout: float = 5.0,
+                   group_commit_max: int = 2000) -> Store:
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = await aiosqlite.connect(str(path), isolation_level=None, timeout=busy_timeout)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"{path}: cannot open the store: {e}") from e
+        db.row_factory = sqlite3.Row
+        store = cls(db, path, group_commit_max)
+        try:
+            await store._in_thread(store._prepare, synchronous, busy_timeout)
+        except (sqlite3.Error, StoreError) as e:
+            await db.close()
+            raise StoreError(f"{path}: {e}") from e
+        store._writer = asyncio.get_running_loop().create_task(store._write_loop(), name="rdq-store-writer")
+        return store
+
+    def _prepare(self, synchronous: str, busy_timeout: float) -> None:
+        conn = self._conn
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise StoreError(f"cannot switch the store to WAL mode (got {mode})")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+        conn.execute(f"PRAGMA busy_timeout={_ms(busy_timeout)}")
+        conn.execute("PRAGMA temp_store=MEMORY")
+        self._migrate(conn)
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        current = conn.execute("PRAGMA user_version").fetchone()[0]
+        known = migrations()
+        if current > len(known):
+            raise StoreError(f"the store has schema version {current}, newer than this rdq-bridge knows "
+                             f"({len(known)}); upgrade rdq-bridge or use another store path")
+        for version, name, sql in known[current:]:
+            log.info("store: applying migration %s", name)
+            conn.executescript(f"BEGIN IMMEDIATE;\n{sql}\nPRAGMA user_version={version};\nCOMMIT;")
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn` on aiosqlite's connection thread: a whole batch costs one hop, not one per statement."""
+        result: T = await self._db._execute(fn, *args)  # type: ignore[no-untyped-call]
+        return result
+
+    @property
+    def _conn(self) -> sqlite3.Connection:
+        return self._db._conn
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._queue.put(None)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        await self._db.close()
+
+    async def schema_version(self) -> int:
+        return int(await self._read(lambda c: c.execute("PRAGMA user_version").fetchone()[0]))
+
+    # ---- the group-commit writer -----------------------------------------------------------------------
+
+    async def _submit(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None) -> T:
+        if self._writer is None or self._writer.done():
+            raise StoreError("the store is closed")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Op(fn, future, new_task))
+        return await future
+
+    async def _write_loop(self) -> None:
+        while True:
+            op = await self._queue.get()
+            if op is None:
+                return
+            ops = [op]
+            stop = False
+            # Everything queued while the previous transaction committed joins this one.
+            while len(ops) < self._group_commit_max and not self._queue.empty():
+                more = self._queue.get_nowait()
+                if more is None:
+                    stop = True
+                    break
+                ops.append(more)
+            await self._commit_batch(ops)
+            if stop:
+                return
+
+    async def _commit_batch(self, ops: list[_Op]) -> None:
+        try:
+            outcomes = await self._in_thread(self._run_batch, ops)
+        except Exception as e:  # COMMIT failed (disk full, I/O error): nothing of the batch is durable.
+            error = StoreError(f"{self.path}: write failed: {e}")
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(error)
+            return
+        self.stats.batches += 1
+        self.stats.ops += len(ops)
+        self.stats.largest_batch = max(self.stats.largest_batch, len(ops))
+        for op, (ok, value) in zip(ops, outcomes, strict=True):
+            if op.future.done():
+                continue
+            if ok:
+                op.future.set_result(value)
+            else:
+                op.future.set_exception(value)
+
+    def _run_batch(self, ops: Sequence[_Op]) -> list[tuple[bool, Any]]:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            results = self._apply_ops(conn, ops)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return results
+
+    def _apply_ops(self, conn: sqlite3.Connection, ops: Sequence[_Op]) -> list[tuple[bool, Any]]:
+        results: list[tuple[bool, Any] | None] = [None] * len(ops)
+        submits = [i for i, op in enumerate(ops) if op.new_task is not None]
+        if len(submits) > 1 and self._bulk_insert(conn, [ops[i].new_task for i in submits]):  # type: ignore[misc]
+            for i in submits:
+                results[i] = (True, ops[i].new_task.id)  # type: ignore[union-attr]
+        for i, op in enumerate(ops):
+            if results[i] is not None:
+                continue
+            # A savepoint per operation: one failing statement does not undo the others in the batch.
+            conn.execute("SAVEPOINT op")
+            try:
+                results[i] = (True, op.fn(conn))
+                conn.execute("RELEASE op")
+            except Exception as e:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                results[i] = (False, e if isinstance(e, StoreError) else StoreError(str(e)))
+        return [r for r in results if r is not None]
+
+    def _bulk_insert(self, conn: sqlite3.Connection, tasks: list[NewTask]) -> bool:
+        conn.execute("SAVEPOINT bulk")
+        try:
+            conn.executemany(q("insert_task"), [t.params() for t in tasks])
+            conn.executemany(q("insert_attempt"),
+                             [t.first_attempt.params(t.id) for t in tasks if t.first_attempt is not None])
+            conn.execute("RELEASE bulk")
+            return True
+        except sqlite3.Error:
+            # A bad row (e.g. a duplicate id) fails alone on the one-by-one path.
+            conn.execute("ROLLBACK TO bulk")
+            conn.execute("RELEASE bulk")
+            return False
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            return await self._in_thread(fn, self._conn)
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: read failed: {e}") from e
+
+    # ---- first delivery --------------------------------------------------------------------------------
+
+    async def submit(self, task: NewTask) -> str:
+        """Store a first-delivery failure durably. Returns its id once COMMIT returned."""
+
+        def insert(conn: sqlite3.Connection) -> str:
+            conn.execute(q("insert_task"), task.params())
+            if task.first_attempt is not None:
+                conn.execute(q("insert_attempt"), task.first_attempt.params(task.id))
+            return task.id
+
+        return await self._submit(insert, new_task=task)
+
+    # ---- claim and lease -------------------------------------------------------------------------------
+
+    async def claim_due(self, queue: str, limit: int, lease: float, owner: str, now: int) -> list[Task]:
+        params = {"queue": queue, "limit": limit, "lease_ms": _ms(lease), "owner": owner, "now": now}
+        rows = await self._submit(lambda c: c.execute(q("claim_due"), params).fetchall())
+        return [Task.from_row(r) for r in rows]
+
+    async def next_due_at(self, queue: str) -> int | None:
+        return await self._read(lambda c: c.execute(q("next_due_at"), {"queue": queue}).fetchone()[0])
+
+    async def extend_lease(self, task_id: str, token: int, lease: float, now: int) -> bool:
+        params = {"id": task_id, "token": token, "lease_ms": _ms(lease), "now": now}
+        return await self._submit(lambda c: c.execute(q("extend_lease"), params).rowcount == 1)
+
+    async def release(self, task_id: str, token: int, now: int) -> bool:
+        params = {"id": task_id, "token": token, "now": now}
+        return await self._submit(lambda c: c.execute(q("release_lease"), params).rowcount == 1)
+
+    # ---- outcomes --------------------------------------------------------------------------------------
+
+    async def record_success(self, task_id: str, token: int, attempt_no: int, report: RunReport) -> Result:
+        """Current holder: SUCCEEDED. A stale holder (its lease was reclaimed) still wins while nothing else
+        finished the task: first result wins, SPEC §4.5. `attempt_no` is the attempt the handler ran as."""
+
+        def finish(conn: sqlite3.Connection) -> Result:
+            params = {"id": task_id, "token": token, "now": report.finished_at}
+            got = conn.execute(q("finish_success"), params).fetchone()
+            late_of = None
+            if got is None:
+                got = conn.execute(q("finish_late_success"), params).fetchone()
+                if got is None:
+                    return Result(False)
+                late_of = attempt_no
+            conn.execute(q("insert_attempt"), _attempt_params(task_id, report, got[0], got[1], late_of))
+            return Result(True, Status.SUCCEEDED, got[0])
+
+        return await self._submit(finish)
+
+    async def record_retry(self, task_id: str, token: int, report: RunReport, next_attempt_at: int) -> Result:
+        params = {"id": task_id, "token": token, "next_attempt_at": next_attempt_at}
+        return await self._submit(self._transition("reschedule", params, task_id, report, Status.PENDING))
+
+    async def record_dead(self, task_id: str, token: int, report: RunReport, reason: ErrorInfo) -> Result:
+        params = {"id": task_id, "token": token, "now": report.finished_at,
+                  "reason_type": reason.type, "reason_message": reason.message}
+        return await self._submit(self._transition("finish_dead", params, task_id, report, Status.DEAD))
+
+    @staticmethod
+    def _transition(query: str, params: dict[str, Any], task_id: str, report: RunReport,
+                    status: Status) -> Callable[[sqlite3.Connection], Result]:
+        def apply(conn: sqlite3.Connection) -> Result:
+            got = conn.execute(q(query), params).fetchone()
+            if got is None:
+                return Result(False)
+            conn.execute(q("insert_attempt"), _attempt_params(task_id, report, got[0], got[1]))
+            return Result(True, status, got[0])
+
+        return apply
+
+    # ---- sweep (SPEC §4.8) -----------------------------------------------------------------------------
+
+    async def lapsed_leases(self, now: int, limit: int = 500) -> list[sqlite3.Row]:
+        return await self._read(lambda c: c.execute(q("lapsed_leases"), {"now": now, "limit": limit}).fetchall())
+
+    async def expire_lease(self, lapsed: sqlite3.Row, now: int, next_attempt_at: int | None) -> bool:
+        """Reclaim one lapsed lease with a LEASE_EXPIRED attempt; DEAD when `next_attempt_at` is None."""
+        error = ErrorInfo("rdq.LeaseExpired", f"lease held by {lapsed['lease_owner']} lapsed without a result")
+        report = RunReport(lapsed["lease_started_at"] or now, now, Outcome.LEASE_EXPIRED, error,
+                           lapsed["lease_owner"])
+        base = {"id": lapsed["id"], "token": lapsed["lease_token"], "now": now}
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            if next_attempt_at is None:
+                params = {**base, "reason_type": error.type,
+                          "reason_message": f"{error.message}; attempts exhausted"}
+                changed = conn.execute(q("expire_lease_dead"), params).rowcount
+            else:
+                changed = conn.execute(q("expire_lease_reschedule"),
+                                       {**base, "next_attempt_at": next_attempt_at}).rowcount
+            if changed != 1:
+                return False
+            conn.execute(q("insert_attempt"), _attempt_params(
+                lapsed["id"], report, lapsed["attempt_count"], lapsed["redrive_count"]))
+            return True
+
+        return await self._submit(apply)
+
+    async def time_out(self, queue: str, cutoff: int, now: int, message: str, limit: int = 500) -> int:
+        """PENDING or IN_FLIGHT tasks whose life began before `cutoff` → DEAD rdq.Timeout."""
+
+        def apply(conn: sqlite3.Connection) -> int:
+            rows = conn.execute(q("timed_out"), {"queue": queue, "cutoff": cutoff, "limit": limit}).fetchall()
+            done = 0
+            for row in rows:
+                params = {"id": row["id"], "status": row["status"], "token": row["lease_token"], "now": now,
+                          "cutoff": cutoff, "reason_message": message}
+                if conn.execute(q("time_out_task"), params).rowcount != 1:
+                    continue
+                done += 1
+                if row["status"] == Status.IN_FLIGHT:
+                    # The running attempt loses its lease to the timeout: record it so history stays whole.
+                    report = RunReport(row["lease_started_at"] or now, now, Outcome.LEASE_EXPIRED,
+                                       ErrorInfo("rdq.Timeout", message), row["lease_owner"])
+                    conn.execute(q("insert_attempt"), _attempt_params(
+                        row["id"], report, row["attempt_count"], row["redrive_count"]))
+            return done
+
+        return await self._submit(apply)
+
+    async def purge(self, queue: str, retain_from: str, cutoff: int, limit: int = 1000) -> int:
+        query = "purge_fetched" if retain_from == "fetched" else "purge_finished"
+
+        def apply(conn: sqlite3.Connection) -> int:
+            ids = [r[0] for r in conn.execute(q(query), {"queue": queue, "cutoff": cutoff, "limit": limit})]
+            for task_id in ids:
+                conn.execute(q("delete_attempts"), {"id": task_id})
+                conn.execute(q("delete_redrives"), {"id": task_id})
+            return len(ids)
+
+        return await self._submit(apply)
+
+    async def purge_task(self, task_id: str) -> bool:
+        def apply(conn: sqlite3.Connection) -> bool:
+            if conn.execute(q("purge_task"), {"id": task_id}).fetchone() is None:
+                return False
+            conn.execute(q("delete_attempts"), {"id": task_id})
+            conn.execute(q("delete_redrives"), {"id": task_id})
+            return True
+
+        return await self._submit(apply)
+
+    # ---- operator actions ------------------------------------------------------------------------------
+
+    async def redrive(self, task_id: str, now: int, by: str | None = None, request_id: str | None = None) -> bool:
+        """DEAD → PENDING due now, attempt_count 0, redrive_count + 1, history kept, audited (SPEC §7.3)."""
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            got = conn.execute(q("redrive"), {"id": task_id, "now": now}).fetchone()
+            if got is None:
+                return False
+            conn.execute(q("insert_redrive"), {"task_id": task_id, "redrive_no": got[0], "at": now, "by": by,
+                                               "request_id": request_id})
+            return True
+
+        return await self._submit(apply)
+
+    async def mark_fetched(self, task_id: str, now: int) -> bool:
+        params = {"id": task_id, "now": now}
+        return await self._submit(lambda c: c.execute(q("mark_fetched"), params).rowcount == 1)
+
+    # ---- DLQ outbox ------------------------------------------------------------------------------------
+
+    async def dlq_outbox(self, limit: int = 500) -> list[Task]:
+        def read(conn: sqlite3.Connection) -> list[Task]:
+            rows = conn.execute(q("dlq_outbox"), {"limit": limit}).fetchall()
+            return [Task.from_row(r, self._attempts(conn, r["id"])) for r in rows]
+
+        return await self._read(read)
+
+    async def mark_dlq_published(self, task: Task, topic: str, partition: int, offset: int, now: int) -> bool:
+        params = {"id": task.id, "topic": topic, "partition": partition, "offset": offset, "now": now,
+                  "redrive_count": task.redrive_count}
+        return await self._submit(lambda c: c.execute(q("mark_dlq_published"), params).rowcount == 1)
+
+    # ---- reads -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _attempts(conn: sqlite3.Connection, task_id: str) -> tuple[Attempt, ...]:
+        return tuple(Attempt.from_row(r) for r in conn.execute(q("get_attempts"), {"id": task_id}))
+
+    async def get(self, task_id: str) -> Task | None:
+        def read(conn: sqlite3.Connection) -> Task | None:
+            row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
+            return None if row is None else Task.from_row(row, self._attempts(conn, task_id))
+
+        return await self._read(read)
+
+    async def redrives(self, task_id: str) -> list[dict[str, Any]]:
+        rows = await self._read(lambda c: c.execute(q("get_redrives"), {"id": task_id}).fetchall())
+        return [dict(r) for r in rows]
+
+    async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100) -> list[Task]:
+        params = {"queue": queue, "status": status.value if status else None, "limit": limit}
+        rows = await self._read(lambda c: c.execute(q("list_tasks"), params).fetchall())
+        return [Task.from_row(r) for r in rows]
+
+    async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
+                       until: int | None = None, limit: int = 1000) -> list[str]:
+        params = {"queue": queue, "error_type": error_type, "since": since, "until": until, "limit": limit}
+        rows = await self._read(lambda c: c.execute(q("dead_tasks_filtered"), params).fetchall())
+        return [r[0] for r in rows]
+
+    async def counts(self) -> dict[str, dict[str, int]]:
+        rows = await self._read(lambda c: c.execute(q("count_by_queue_status")).fetchall())
+        out: dict[str, dict[str, int]] = {}
+        for queue, status, n in rows:
+            out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
+        return out
+
+    async def count_open(self, queue: str) -> int:
+        return int(await self._read(lambda c: c.execute(q("count_open"), {"queue": queue}).fetchone()[0]))

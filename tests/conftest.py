@@ -1,0 +1,96 @@
+"""Shared fixtures. Kafka tests run against a real broker, chosen in this order:
+
+1. KAFKA_BOOTSTRAP_SERVERS, when set;
+2. testcontainers' Kafka module (apache/kafka image), when a Docker engine answers;
+3. the repo's local broker tooling (`localkafka`: Kafka from Maven Central), otherwise.
+
+If none can be had the run fails with the reason: a Kafka test is never skipped.
+Tests don't leak into each other: each makes its own topics and consumer groups (`unique`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bridge.config import BridgeConfig, parse_config
+from localkafka import BrokerError, LocalBroker
+
+KAFKA_IMAGE = "apache/kafka:4.1.2"
+
+
+@dataclass
+class KafkaEnv:
+    bootstrap_servers: str
+    how: str
+    broker: LocalBroker | None = None  # set when this run owns a local broker (tests may stop/start it)
+
+
+def _docker_engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        proc = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0 and bool(proc.stdout.strip())
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaEnv]:
+    configured = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if configured:
+        yield KafkaEnv(configured, "KAFKA_BOOTSTRAP_SERVERS")
+        return
+    if _docker_engine_answers():
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer(KAFKA_IMAGE).with_kraft() as container:
+            yield KafkaEnv(container.get_bootstrap_server(), f"testcontainers {KAFKA_IMAGE}")
+        return
+    broker = LocalBroker(tmp_path_factory.mktemp("kafka"))
+    try:
+        broker.start()
+    except BrokerError as e:
+        pytest.fail(f"no Kafka broker: KAFKA_BOOTSTRAP_SERVERS is unset, no Docker engine answers, and the local "
+                    f"broker failed: {e}", pytrace=False)
+    try:
+        yield KafkaEnv(broker.bootstrap_servers, "localkafka", broker)
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def unique() -> str:
+    """A suffix for this test's topics and groups."""
+    return uuid.uuid4().hex[:10]
+
+
+def write_config(path: Path, tree: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def bridge_config(kafka: KafkaEnv, tmp_path: Path, unique: str) -> BridgeConfig:
+    """A two-queue config on the test broker with this test's own topics, group and store."""
+    tree = {
+        "kafka": {"bootstrap_servers": kafka.bootstrap_servers, "group_id": f"g-{unique}", "topic_partitions": 2},
+        "store": {"path": str(tmp_path / "rdq.db")},
+        "queues": {
+            "orders.process": {"handler": "flaky", "sources": [f"orders-{unique}"], "max_attempts": 3,
+                               "backoff": {"kind": "fixed", "base": "10ms"}, "dlq_topic": f"orders-{unique}.dlq"},
+            "payments.charge": {"handler": "ok", "sources": [f"payments-{unique}"]},
+        },
+        "admin": {"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}", "auth": {"keys": {"k1": "s"}}},
+    }
+    return parse_config(tree, "<test>")

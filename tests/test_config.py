@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bridge.config import ConfigError, load_config, parse_duration
+
+SPEC_MINIMAL = """\
+kafka:
+  bootstrap_servers: 127.0.0.1:9092
+  group_id: orders-bridge
+store:
+  path: ./rdq.db
+queues:
+  orders.process:
+    handler: flaky
+    sources: [orders]
+    max_attempts: 4
+    backoff: {kind: exponential, base: 100ms, factor: 2, max: 5s, jitter: full}
+    lease: 30s
+    dlq_topic: orders.dlq
+admin:
+  topic: rdq.admin
+  reply_topic: rdq.admin.replies
+  auth: {keys: {k1: "a-shared-secret"}}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bridge.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_spec_minimal_config_loads_as_written(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, SPEC_MINIMAL), environ={})
+    queue = config.queues["orders.process"]
+    assert config.kafka.bootstrap_servers == "127.0.0.1:9092"
+    assert config.kafka.group_id == "orders-bridge"
+    assert queue.handler == "flaky" and queue.sources == ["orders"] and queue.max_attempts == 4
+    assert queue.backoff.base == pytest.approx(0.1) and queue.backoff.max == 5.0 and queue.backoff.factor == 2
+    assert queue.backoff.jitter == "full" and queue.lease == 30.0
+    assert config.dlq_topic("orders.process") == "orders.dlq"
+    assert config.store.synchronous == "FULL"
+    assert config.admin is not None and config.admin.auth != "none"
+    assert config.queue_for_topic("orders") == "orders.process"
+
+
+def test_example_config_loads() -> None:
+    config = load_config(Path(__file__).parent.parent / "config" / "bridge.yaml", environ={})
+    assert len(config.queues) == 2
+    assert {q.handler for q in config.queues.values()} <= {"ok", "flaky", "permanent", "sleep", "crash"}
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("250ms", 0.25), ("30s", 30), ("10m", 600), ("7d", 604800),
+                                               ("2h", 7200), (5, 5.0), (1.5, 1.5), ("12", 12)])
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_env_overrides_nested_keys(tmp_path: Path) -> None:
+    env = {"RDQ_KAFKA__BOOTSTRAP_SERVERS": "10.0.0.1:9093", "RDQ_QUEUES__ORDERS.PROCESS__MAX_ATTEMPTS": "9",
+           "RDQ_STORE__SYNCHRONOUS": "NORMAL", "OTHER": "x"}
+    config = load_config(write(tmp_path, SPEC_MINIMAL), environ=env)
+    assert config.kafka.bootstrap_servers == "10.0.0.1:9093"
+    assert config.queues["orders.process"].max_attempts == 9
+    assert config.store.synchronous == "NORMAL"
+
+
+def test_bad_field_names_file_and_field(tmp_path: Path) -> None:
+    path = write(tmp_path, SPEC_MINIMAL.replace("max_attempts: 4", "max_attempts: 0"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert str(path) in str(err.value)
+    assert "queues['orders.process'].max_attempts" in str(err.value)
+    assert "greater than or equal to 1" in str(err.value)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (("lease: 30s", "lease: soon"), "lease"),
+    (("kind: exponential", "kind: linear"), "backoff.kind"),
+    (("handler: flaky", "handler: flaky\n    colour: blue"), "colour"),
+    (("  group_id: orders-bridge\n", ""), None),
+])
+def test_bad_values_are_refused(tmp_path: Path, change: tuple[str, str], field: str | None) -> None:
+    path = write(tmp_path, SPEC_MINIMAL.replace(*change))
+    if field is None:  # group_id has a default: still valid
+        assert load_config(path, environ={}).kafka.group_id == "rdq-bridge"
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert field in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "kafka: [unclosed"), environ={})
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"), environ={})
+
+
+def test_admin_auth_must_be_explicit(tmp_path: Path) -> None:
+    no_auth = SPEC_MINIMAL.replace('  auth: {keys: {k1: "a-shared-secret"}}\n', "")
+    with pytest.raises(ConfigError, match=r"admin\.auth"):
+        load_config(write(tmp_path, no_auth), environ={})
+    config = load_config(write(tmp_path, no_auth + "  auth: none\n"), environ={})
+    assert config.admin is not None and config.admin.auth == "none"
+
+
+def test_retain_alias_and_source_owned_once(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, SPEC_MINIMAL.replace("lease: 30s", "lease: 30s\n    retain: 2d")), environ={})
+    assert config.queues["orders.process"].task_ttl == 172800
+    with pytest.raises(ConfigError, match="claimed by queues"):
+        again = "    dlq_topic: orders.dlq\n  again:\n    handler: ok\n    sources: [orders]\n"
+        load_config(write(tmp_path, SPEC_MINIMAL.replace("    dlq_topic: orders.dlq\n", again)), environ={})

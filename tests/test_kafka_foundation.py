@@ -1,0 +1,56 @@
+"""The foundation on a real broker: topics from the config, produce and consume through the project's clients."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bridge.config import BridgeConfig
+from bridge.kafka_clients import broker_reachable, ensure_topics, make_admin, make_consumer, make_producer
+from tests.conftest import KafkaEnv
+
+pytestmark = pytest.mark.kafka
+
+
+def test_ensure_topics_creates_every_configured_topic_once(bridge_config: BridgeConfig) -> None:
+    created = ensure_topics(bridge_config)
+    assert sorted(created) == sorted(bridge_config.topics())
+    assert ensure_topics(bridge_config) == []
+    topics = make_admin(bridge_config).list_topics(timeout=10).topics
+    for name in bridge_config.topics():
+        assert len(topics[name].partitions) == bridge_config.kafka.topic_partitions
+
+
+def test_produce_and_consume_through_project_clients(bridge_config: BridgeConfig) -> None:
+    ensure_topics(bridge_config)
+    topic = bridge_config.queues["orders.process"].sources[0]
+    producer = make_producer(bridge_config)
+    sent = {f"k{i}".encode(): f'{{"fail": {i % 3}}}'.encode() for i in range(20)}
+    headers = [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("bin", b"\xff\x00")]
+    for key, value in sent.items():
+        producer.produce(topic, value=value, key=key, headers=headers)
+    assert producer.flush(30) == 0
+
+    consumer = make_consumer(bridge_config)
+    consumer.subscribe([topic])
+    got: dict[bytes, bytes] = {}
+    deadline = time.monotonic() + 60
+    try:
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            for msg in consumer.consume(100, 1.0):
+                assert msg.error() is None, msg.error()
+                got[msg.key()] = msg.value()
+                assert dict(msg.headers())["bin"] == b"\xff\x00"
+                consumer.store_offsets(msg)
+        consumer.commit(asynchronous=False)
+    finally:
+        consumer.close()
+    assert got == sent
+
+
+def test_broker_reachable(bridge_config: BridgeConfig, kafka: KafkaEnv) -> None:
+    assert broker_reachable(bridge_config)
+    dead = bridge_config.model_copy(update={"kafka": bridge_config.kafka.model_copy(
+        update={"bootstrap_servers": "127.0.0.1:1"})})
+    assert not broker_reachable(dead, timeout=1.0)
