@@ -271,7 +271,8 @@ class Store:
     async def claim_due(self, queue: str, limit: int, lease: float, owner: str, now: int) -> list[Task]:
         params = {"queue": queue, "limit": limit, "lease_ms": _ms(lease), "owner": owner, "now": now}
         rows = await self._submit(lambda c: c.execute(q("claim_due"), params).fetchall())
-        return [Task.from_row(r) for r in rows]
+        # RETURNING order is unspecified: start the longest overdue first.
+        return sorted((Task.from_row(r) for r in rows), key=lambda t: (t.next_attempt_at or 0, t.id))
 
     async def next_due_at(self, queue: str) -> int | None:
         return await self._read(lambda c: c.execute(q("next_due_at"), {"queue": queue}).fetchone()[0])

@@ -1,0 +1,40 @@
+"""Small builders shared by the engine tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bridge.config import BridgeConfig, parse_config
+from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
+from bridge.store import RunReport
+
+T0 = 1_800_000_000_000  # a fixed "now" in ms
+
+
+def engine_config(store_path: str, **queues: dict[str, Any]) -> BridgeConfig:
+    return parse_config({
+        "kafka": {"bootstrap_servers": "127.0.0.1:1"},
+        "store": {"path": store_path},
+        "queues": queues or {"q": {"handler": "ok"}},
+        "engine": {"sweep_interval": "50ms", "grace_period": "2s", "handler_modules": []},
+    })
+
+
+def failure(queue: str = "q", now: int = T0, due_in_ms: int = 0, handler: str = "ok",
+            payload: bytes = b"{}", version: str | None = None, dead: ErrorInfo | None = None) -> NewTask:
+    """A first-delivery failure: PENDING due in `due_in_ms`, or DEAD with `dead` as reason."""
+    outcome = Outcome.PERMANENT_FAILURE if dead else Outcome.RETRYABLE_FAILURE
+    error = dead or ErrorInfo("builtins.RuntimeError", "first delivery failed", "Traceback ...")
+    return NewTask(
+        queue=queue, handler_ref=handler, payload=payload,
+        headers={"rdq.source": "kafka://t/0/1", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
+        status=Status.DEAD if dead else Status.PENDING, created_at=now,
+        first_attempt=Attempt(1, 0, now, now, outcome, error, "test"),
+        next_attempt_at=None if dead else now + due_in_ms, dead_reason=dead, handler_version=version,
+    )  # fmt: skip
+
+
+def report(outcome: Outcome, now: int = T0, error: ErrorInfo | None = None) -> RunReport:
+    if error is None and outcome != Outcome.SUCCESS:
+        error = ErrorInfo("builtins.RuntimeError", "boom")
+    return RunReport(now - 5, now, outcome, error, "w1")

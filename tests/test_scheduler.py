@@ -1,0 +1,314 @@
+"""The scheduler and sweep with real handlers, real time and a real SQLite file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bridge.engine import Engine
+from bridge.handler_api import HandlerContext, Permanent, Retry
+from bridge.live_config import LiveConfig
+from bridge.model import Outcome, Status, Task
+from bridge.registry import Registry
+from bridge.store import Store
+from tests.helpers import engine_config, failure
+
+
+class Harness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.registry = Registry()
+        self.dead: list[Task] = []
+        self.engine: Engine | None = None
+        self.stop = asyncio.Event()
+        self.runner: asyncio.Task[None] | None = None
+        self.store: Store | None = None
+
+    async def start(self, **queues: dict[str, Any]) -> Engine:
+        config = engine_config(str(self.tmp_path / "rdq.db"), **queues)
+        path = self.tmp_path / "bridge.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        self.store = await Store.open(config.store.path)
+        self.engine = Engine(self.store, LiveConfig(config, path), self.registry, instance_id="test-1")
+        original = self.engine.scheduler.on_dead
+        self.engine.scheduler.on_dead = lambda t: (self.dead.append(t), original and original(t))  # type: ignore
+        self.runner = asyncio.create_task(self.engine.run(self.stop))
+        return self.engine
+
+    async def submit(self, **kw: Any) -> str:
+        assert self.engine is not None
+        task_id = await self.engine.store.submit(failure(now=self.engine.clock.now_ms(), **kw))
+        self.engine.scheduler.wake(kw.get("queue", "q"))
+        return task_id
+
+    async def wait_status(self, task_id: str, *statuses: Status, within: float = 10) -> Task:
+        assert self.store is not None
+        deadline = time.monotonic() + within
+        while True:
+            task = await self.store.get(task_id)
+            assert task is not None
+            if task.status in statuses:
+                return task
+            if time.monotonic() > deadline:
+                raise AssertionError(f"task stayed {task.status}: {task}")
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        self.stop.set()
+        if self.runner is not None:
+            await self.runner
+        if self.engine is not None:
+            self.engine.close()
+        if self.store is not None:
+            await self.store.close()
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = Harness(tmp_path)
+    yield harness
+    await harness.close()
+
+
+FAST = {"backoff": {"kind": "fixed", "base": "10ms"}}
+
+
+def flaky_handler(fail: int, calls: list[int]) -> Callable[[HandlerContext], None]:
+    def fn(ctx: HandlerContext) -> None:
+        calls.append(ctx.attempt)
+        if ctx.attempt <= fail:
+            raise ConnectionError(f"attempt {ctx.attempt}")
+
+    return fn
+
+
+async def test_retry_succeeds_after_transient_failures(h: Harness) -> None:
+    calls: list[int] = []
+    h.registry.register("flaky", flaky_handler(2, calls))
+    await h.start(q={"handler": "flaky", "max_attempts": 4, **FAST})
+    task = await h.wait_status(await h.submit(handler="flaky"), Status.SUCCEEDED)
+    assert calls == [2, 3]  # attempt 1 was the first delivery
+    assert [a.outcome for a in task.attempts] == [Outcome.RETRYABLE_FAILURE] * 2 + [Outcome.SUCCESS]
+    assert task.attempts[1].error is not None and task.attempts[1].error.type == "ConnectionError"
+    assert task.attempts[1].error.stack and "attempt 2" in task.attempts[1].error.stack
+    assert task.attempts[2].worker == "test-1" and h.dead == []
+
+
+async def test_exhausted_attempts_go_dead_with_the_last_error(h: Harness) -> None:
+    h.registry.register("flaky", flaky_handler(99, []))
+    await h.start(q={"handler": "flaky", "max_attempts": 3, **FAST})
+    task = await h.wait_status(await h.submit(handler="flaky"), Status.DEAD)
+    assert task.attempt_count == 3 and len(task.attempts) == 3
+    assert task.dead_reason is not None and task.dead_reason.type == "ConnectionError"
+    assert [t.id for t in h.dead] == [task.id]
+    assert h.engine is not None and h.engine.dead_event.is_set()
+
+
+async def test_permanent_signal_and_classified_errors_go_dead_at_once(h: Harness) -> None:
+    def permanent(ctx: HandlerContext) -> None:
+        raise Permanent("card declined")
+
+    def bad_value(ctx: HandlerContext) -> None:
+        raise ValueError("malformed order")
+
+    h.registry.register("permanent", permanent)
+    h.registry.register("bad", bad_value)
+    await h.start(p={"handler": "permanent", "max_attempts": 9, **FAST},
+                  v={"handler": "bad", "max_attempts": 9, "errors": {"permanent": ["ValueError"]}, **FAST})
+    for queue, kind in (("p", "bridge.handler_api.Permanent"), ("v", "ValueError")):
+        task = await h.wait_status(await h.submit(queue=queue, handler="permanent" if queue == "p" else "bad"),
+                                   Status.DEAD)
+        assert task.attempt_count == 2 and task.attempts[-1].outcome == Outcome.PERMANENT_FAILURE
+        assert task.dead_reason is not None and task.dead_reason.type == kind
+
+
+async def test_retry_after_is_honoured(h: Harness) -> None:
+    def later(ctx: HandlerContext) -> None:
+        raise Retry(after=30, message="rate limited")
+
+    h.registry.register("later", later)
+    await h.start(q={"handler": "later", "max_attempts": 5, **FAST})
+    task_id = await h.submit(handler="later")
+    deadline = time.monotonic() + 10
+    while True:
+        task = await h.wait_status(task_id, Status.PENDING)
+        if task.attempt_count == 2 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    assert task.attempt_count == 2 and task.next_attempt_at is not None
+    assert task.next_attempt_at - task.attempts[-1].finished_at == 30_000
+    assert task.attempts[-1].error is not None and task.attempts[-1].error.message == "rate limited"
+
+
+async def test_unregistered_handler_is_dead_unroutable_at_once(h: Harness) -> None:
+    await h.start(q={"handler": "gone", "max_attempts": 9, **FAST})
+    task = await h.wait_status(await h.submit(handler="gone"), Status.DEAD)
+    assert task.dead_reason is not None and task.dead_reason.type == "rdq.Unroutable"
+    assert task.attempt_count == 2 and task.attempts[-1].outcome == Outcome.PERMANENT_FAILURE
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("dead-letter", Status.DEAD), ("run-latest", Status.SUCCEEDED)])
+async def test_version_mismatch_policy(h: Harness, policy: str, expected: Status) -> None:
+    h.registry.register("v", lambda ctx: None, version="v4")
+    await h.start(q={"handler": "v", "version_mismatch": policy, **FAST})
+    pinned = await h.wait_status(await h.submit(handler="v", version="v3"), expected)
+    matching = await h.wait_status(await h.submit(handler="v", version="v4"), Status.SUCCEEDED)
+    if expected == Status.DEAD:
+        assert pinned.dead_reason is not None and pinned.dead_reason.type == "rdq.HandlerVersionMismatch"
+        assert "v3" in pinned.dead_reason.message and "v4" in pinned.dead_reason.message
+    assert matching.attempt_count == 2
+
+
+async def test_heartbeats_keep_a_long_handler_past_its_lease(h: Harness) -> None:
+    async def long(ctx: HandlerContext) -> None:
+        for _ in range(12):
+            await asyncio.sleep(0.1)
+            ctx.heartbeat()
+
+    h.registry.register("long", long)
+    await h.start(q={"handler": "long", "lease": "300ms", "heartbeat": {"interval": "50ms"}, **FAST})
+    task = await h.wait_status(await h.submit(handler="long"), Status.SUCCEEDED)
+    assert [a.outcome for a in task.attempts] == [Outcome.RETRYABLE_FAILURE, Outcome.SUCCESS]
+
+
+async def test_a_silent_handler_loses_its_lease_to_the_sweep(h: Harness) -> None:
+    def silent(ctx: HandlerContext) -> None:
+        time.sleep(0.8)  # no heartbeat: the lease lapses
+
+    h.registry.register("silent", silent)
+    await h.start(q={"handler": "silent", "lease": "200ms", "max_attempts": 2, **FAST})
+    task = await h.wait_status(await h.submit(handler="silent"), Status.DEAD)
+    assert task.dead_reason is not None and task.dead_reason.type == "rdq.LeaseExpired"
+    assert task.attempts[-1].outcome == Outcome.LEASE_EXPIRED
+    await asyncio.sleep(1.0)  # the handler's late success arrives: the task is terminal, so it is refused
+    after = await h.wait_status(task.id, Status.DEAD)
+    assert after.attempts == task.attempts
+
+
+async def test_lost_lease_cancels_an_async_handler(h: Harness) -> None:
+    cancelled = asyncio.Event()
+
+    async def beating(ctx: HandlerContext) -> None:
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                ctx.heartbeat()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    h.registry.register("beating", beating)
+    await h.start(q={"handler": "beating", "lease": "5s", "heartbeat": {"interval": "50ms"},
+                     "queue_timeout": "400ms", **FAST})
+    task = await h.wait_status(await h.submit(handler="beating"), Status.DEAD)
+    await asyncio.wait_for(cancelled.wait(), 5)
+    assert task.dead_reason is not None and task.dead_reason.type == "rdq.Timeout"
+
+
+async def test_concurrency_is_bounded_per_queue(h: Harness) -> None:
+    running = 0
+    peak = 0
+
+    async def slow(ctx: HandlerContext) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.1)
+        running -= 1
+
+    h.registry.register("slow", slow)
+    await h.start(q={"handler": "slow", "concurrency": 3, **FAST})
+    ids = [await h.submit(handler="slow") for _ in range(10)]
+    for task_id in ids:
+        await h.wait_status(task_id, Status.SUCCEEDED)
+    assert peak == 3
+
+
+async def test_graceful_drain_releases_held_leases_at_once(h: Harness) -> None:
+    started = asyncio.Event()
+
+    async def forever(ctx: HandlerContext) -> None:
+        started.set()
+        while True:
+            await asyncio.sleep(0.05)
+            ctx.heartbeat()
+
+    h.registry.register("forever", forever)
+    engine = await h.start(q={"handler": "forever", "lease": "60s", **FAST})
+    task_id = await h.submit(handler="forever")
+    await asyncio.wait_for(started.wait(), 5)
+    began = time.monotonic()
+    h.stop.set()
+    assert h.runner is not None
+    await h.runner
+    assert time.monotonic() - began < 5  # grace 2s, not the 60s lease
+    task = await engine.store.get(task_id)
+    assert task is not None and task.status == Status.PENDING and task.lease_expires_at is None
+    assert task.attempt_count == 1 == len(task.attempts)  # the interrupted run is not counted
+
+
+async def test_config_reload_retunes_already_queued_tasks(h: Harness) -> None:
+    calls: list[int] = []
+    h.registry.register("flaky", flaky_handler(99, calls))
+    engine = await h.start(q={"handler": "flaky", "max_attempts": 50, "backoff": {"kind": "fixed", "base": "1s"}})
+    task_id = await h.submit(handler="flaky", due_in_ms=1000)
+    path = engine.config.path
+    assert path is not None
+    tree = yaml.safe_load(path.read_text())
+    tree["queues"]["q"]["max_attempts"] = 2
+    path.write_text(yaml.safe_dump(tree))
+    assert engine.config.reload()
+    task = await h.wait_status(task_id, Status.DEAD)
+    assert task.attempt_count == 2 and calls == [2]
+
+
+async def test_a_reload_that_fails_validation_keeps_the_running_config(h: Harness) -> None:
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "ok", "max_attempts": 7})
+    assert engine.config.path is not None
+    engine.config.path.write_text("queues: {q: {handler: ok, max_attempts: -1}}\n")
+    assert not engine.config.reload()
+    assert engine.config.queue("q").max_attempts == 7  # type: ignore[union-attr]
+
+
+async def test_redrive_runs_a_dead_task_again_with_the_same_id(h: Harness) -> None:
+    fixed = False
+    calls: list[tuple[int, int]] = []
+
+    def until_fixed(ctx: HandlerContext) -> None:
+        calls.append((ctx.redrive_count, ctx.attempt))
+        if not fixed:
+            raise ConnectionError("downstream is down")
+
+    h.registry.register("until_fixed", until_fixed)
+    engine = await h.start(q={"handler": "until_fixed", "max_attempts": 2, **FAST})
+    task_id = await h.submit(handler="until_fixed")
+    dead = await h.wait_status(task_id, Status.DEAD)
+    assert dead.attempt_count == 2
+    fixed = True  # the incident is over: the SRE redrives
+    assert await engine.redrive(task_id, by="sre", request_id="r-1")
+    task = await h.wait_status(task_id, Status.SUCCEEDED)
+    assert task.id == task_id and task.redrive_count == 1 and task.attempt_count == 1
+    assert calls == [(0, 2), (1, 1)]
+    assert [(a.redrive_no, a.attempt_no, a.outcome) for a in task.attempts] == [
+        (0, 1, Outcome.RETRYABLE_FAILURE), (0, 2, Outcome.RETRYABLE_FAILURE), (1, 1, Outcome.SUCCESS)]
+    assert task.headers == dead.headers  # the trace context and source travel with the task
+
+
+async def test_filtered_redrive_and_dry_run(h: Harness) -> None:
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "gone", **FAST})
+    ids = [await h.submit(handler="gone") for _ in range(3)]
+    for task_id in ids:
+        await h.wait_status(task_id, Status.DEAD)
+    assert sorted(await engine.redrive_queue("q", error_type="rdq.Unroutable", dry_run=True)) == sorted(ids)
+    assert await engine.redrive_queue("q", error_type="rdq.Timeout") == []
+    for task_id in ids:
+        assert (await engine.store.get(task_id)).status == Status.DEAD  # type: ignore[union-attr]
+    assert len(await engine.redrive_queue("q", limit=2, by="sre")) == 2

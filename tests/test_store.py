@@ -1,0 +1,322 @@
+"""One test per transition of the task lifecycle (seed 004 status machine, seed 000 timers), on real files."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bridge.model import ErrorInfo, Outcome, Status
+from bridge.store import Store, StoreError
+from tests.helpers import T0, failure, report
+
+LEASE = 30.0
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(tmp_path / "rdq.db")
+    yield s
+    await s.close()
+
+
+async def claim_one(store: Store, now: int = T0, queue: str = "q") -> tuple[str, int]:
+    [task] = await store.claim_due(queue, 10, LEASE, "w1", now)
+    return task.id, task.lease_token
+
+
+async def test_store_is_wal_with_full_sync_by_default(store: Store) -> None:
+    conn = sqlite3.connect(store.path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert await store._in_thread(lambda: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2  # FULL
+    assert await store.schema_version() == 1
+
+
+async def test_submit_retryable_first_delivery_is_pending_with_attempt_one(store: Store) -> None:
+    task_id = await store.submit(failure(due_in_ms=100))
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.PENDING
+    assert task.attempt_count == 1 and task.next_attempt_at == T0 + 100 and task.lease_expires_at is None
+    assert [a.outcome for a in task.attempts] == [Outcome.RETRYABLE_FAILURE]
+    assert task.headers["rdq.source"] == "kafka://t/0/1" and len(task.id) == 26  # ULID
+
+
+async def test_submit_permanent_first_delivery_is_dead_and_in_the_outbox(store: Store) -> None:
+    task_id = await store.submit(failure(dead=ErrorInfo("bridge.handler_api.Permanent", "bad")))
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.DEAD and task.next_attempt_at is None
+    assert task.dead_reason == ErrorInfo("bridge.handler_api.Permanent", "bad")
+    assert [t.id for t in await store.dlq_outbox()] == [task_id]
+
+
+async def test_claim_moves_due_pending_to_in_flight_with_lease_and_token(store: Store) -> None:
+    due = await store.submit(failure())
+    await store.submit(failure(due_in_ms=60_000))  # not due
+    await store.submit(failure(queue="other"))  # other queue
+    claimed = await store.claim_due("q", 10, LEASE, "w1", T0)
+    assert [t.id for t in claimed] == [due]
+    task = claimed[0]
+    assert task.status == Status.IN_FLIGHT and task.attempt_count == 2 and task.lease_token == 1
+    assert task.lease_expires_at == T0 + 30_000 and task.lease_owner == "w1"
+    assert await store.claim_due("q", 10, LEASE, "w2", T0) == []  # a held lease is invisible
+
+
+async def test_claim_respects_limit_and_due_order(store: Store) -> None:
+    ids = [await store.submit(failure(due_in_ms=-i)) for i in range(5)]
+    claimed = await store.claim_due("q", 2, LEASE, "w1", T0)
+    assert [t.id for t in claimed] == [ids[4], ids[3]]  # the longest overdue first
+
+
+async def test_success_moves_in_flight_to_succeeded(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    result = await store.record_success(task_id, token, 2, report(Outcome.SUCCESS, T0 + 10))
+    assert result.accepted and result.status == Status.SUCCEEDED and result.attempt_no == 2
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.SUCCEEDED and task.finished_at == T0 + 10
+    assert task.next_attempt_at is None and task.lease_expires_at is None
+    assert [a.outcome for a in task.attempts] == [Outcome.RETRYABLE_FAILURE, Outcome.SUCCESS]
+    assert [a.attempt_no for a in task.attempts] == [1, 2]
+
+
+async def test_retryable_failure_reschedules_in_flight_to_pending(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    result = await store.record_retry(task_id, token, report(Outcome.RETRYABLE_FAILURE), T0 + 500)
+    assert result.accepted and result.status == Status.PENDING
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.PENDING and task.next_attempt_at == T0 + 500
+    assert task.attempts[-1].error == ErrorInfo("builtins.RuntimeError", "boom")
+    assert await store.claim_due("q", 1, LEASE, "w1", T0 + 499) == []
+    assert len(await store.claim_due("q", 1, LEASE, "w1", T0 + 500)) == 1
+
+
+async def test_permanent_or_exhausted_moves_in_flight_to_dead(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    reason = ErrorInfo("bridge.handler_api.Permanent", "no")
+    result = await store.record_dead(task_id, token, report(Outcome.PERMANENT_FAILURE, error=reason), reason)
+    assert result.accepted and result.status == Status.DEAD
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.DEAD and task.dead_reason == reason
+    assert task.dlq_state == "PENDING"
+
+
+async def test_stale_token_changes_nothing(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    before = await store.get(task_id)
+    for result in (
+        await store.record_retry(task_id, token + 1, report(Outcome.RETRYABLE_FAILURE), T0),
+        await store.record_dead(task_id, token - 1, report(Outcome.PERMANENT_FAILURE), ErrorInfo("x")),
+    ):
+        assert not result.accepted
+    assert not await store.extend_lease(task_id, token + 1, LEASE, T0)
+    assert not await store.release(task_id, token + 1, T0)
+    assert await store.get(task_id) == before
+
+
+async def test_heartbeat_extends_a_live_lease_only(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    assert await store.extend_lease(task_id, token, LEASE, T0 + 20_000)
+    assert (await store.get(task_id)).lease_expires_at == T0 + 50_000  # type: ignore[union-attr]
+    assert not await store.extend_lease(task_id, token, LEASE, T0 + 50_000)  # lapsed: lost, not renewable
+
+
+async def test_lapsed_lease_is_reclaimed_with_a_lease_expired_attempt(store: Store) -> None:
+    task_id = await store.submit(failure())
+    await claim_one(store)
+    assert await store.lapsed_leases(T0 + 29_999) == []
+    [lapsed] = await store.lapsed_leases(T0 + 30_000)
+    assert await store.expire_lease(lapsed, T0 + 30_000, next_attempt_at=T0 + 30_100)
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.PENDING and task.attempt_count == 2
+    assert task.attempts[-1].outcome == Outcome.LEASE_EXPIRED and task.attempts[-1].attempt_no == 2
+    assert task.attempts[-1].error is not None and task.attempts[-1].error.type == "rdq.LeaseExpired"
+    assert not await store.expire_lease(lapsed, T0 + 30_000, None)  # a second reclaim of the same lease: refused
+
+
+async def test_lapsed_lease_with_attempts_exhausted_goes_dead(store: Store) -> None:
+    task_id = await store.submit(failure())
+    await claim_one(store)
+    [lapsed] = await store.lapsed_leases(T0 + 31_000)
+    assert await store.expire_lease(lapsed, T0 + 31_000, next_attempt_at=None)
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.DEAD and task.dead_reason is not None
+    assert task.dead_reason.type == "rdq.LeaseExpired"
+
+
+async def test_late_success_wins_while_not_terminal(store: Store) -> None:
+    """Seed 000: A's lease lapses, B claims; A's late success is accepted; B is then refused."""
+    task_id = await store.submit(failure())
+    _, token_a = await claim_one(store)
+    [lapsed] = await store.lapsed_leases(T0 + 30_000)
+    await store.expire_lease(lapsed, T0 + 30_000, T0 + 30_000)
+    _, token_b = await claim_one(store, T0 + 30_000)
+    late = await store.record_success(task_id, token_a, 2, report(Outcome.SUCCESS, T0 + 31_000))
+    assert late.accepted and late.status == Status.SUCCEEDED
+    assert not (await store.record_success(task_id, token_b, 3, report(Outcome.SUCCESS, T0 + 32_000))).accepted
+    assert not await store.extend_lease(task_id, token_b, LEASE, T0 + 32_000)  # B's heartbeat: lease lost
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.SUCCEEDED and task.attempt_count == 3
+    assert [(a.attempt_no, a.outcome, a.late_result_of) for a in task.attempts] == [
+        (1, Outcome.RETRYABLE_FAILURE, None), (2, Outcome.LEASE_EXPIRED, None), (3, Outcome.SUCCESS, 2)]
+
+
+async def test_late_success_on_a_requeued_pending_task(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    [lapsed] = await store.lapsed_leases(T0 + 30_000)
+    await store.expire_lease(lapsed, T0 + 30_000, T0 + 60_000)
+    result = await store.record_success(task_id, token, 2, report(Outcome.SUCCESS, T0 + 31_000))
+    assert result.accepted and result.attempt_no == 3
+    task = await store.get(task_id)
+    assert task is not None and task.attempt_count == len(task.attempts) == 3
+
+
+async def test_late_failure_is_discarded(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    [lapsed] = await store.lapsed_leases(T0 + 30_000)
+    await store.expire_lease(lapsed, T0 + 30_000, T0 + 30_000)
+    before = await store.get(task_id)
+    assert not (await store.record_retry(task_id, token, report(Outcome.RETRYABLE_FAILURE), T0)).accepted
+    assert not (await store.record_dead(task_id, token, report(Outcome.PERMANENT_FAILURE), ErrorInfo("x"))).accepted
+    assert await store.get(task_id) == before
+
+
+async def test_nothing_is_finished_twice(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    assert (await store.record_success(task_id, token, 2, report(Outcome.SUCCESS))).accepted
+    assert not (await store.record_success(task_id, token, 2, report(Outcome.SUCCESS))).accepted
+    assert len((await store.get(task_id)).attempts) == 2  # type: ignore[union-attr]
+
+
+async def test_queue_timeout_from_pending_and_in_flight(store: Store) -> None:
+    pending = await store.submit(failure(due_in_ms=10**9))
+    running = await store.submit(failure())
+    _, token = await claim_one(store)
+    assert await store.time_out("q", T0 + 1, T0 + 3_600_000, "queue_timeout of 3600s exceeded") == 2
+    for task_id in (pending, running):
+        task = await store.get(task_id)
+        assert task is not None and task.status == Status.DEAD and task.dead_reason is not None
+        assert task.dead_reason.type == "rdq.Timeout"
+    ran = await store.get(running)
+    assert ran is not None and ran.attempts[-1].outcome == Outcome.LEASE_EXPIRED
+    assert ran.attempt_count == len(ran.attempts)
+    # A late result after the timeout is refused: the verdict is final.
+    assert not (await store.record_success(running, token, 2, report(Outcome.SUCCESS))).accepted
+
+
+async def test_queue_timeout_spares_young_tasks(store: Store) -> None:
+    await store.submit(failure(now=T0 + 10))
+    assert await store.time_out("q", T0 + 10, T0 + 20, "x") == 0
+
+
+async def test_redrive_moves_dead_to_pending_keeping_history(store: Store) -> None:
+    task_id = await store.submit(failure(dead=ErrorInfo("bridge.handler_api.Permanent", "no")))
+    assert await store.redrive(task_id, T0 + 1000, by="sre@example", request_id="r1")
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.PENDING and task.attempt_count == 0
+    assert task.redrive_count == 1 and task.next_attempt_at == T0 + 1000 and task.life_started_at == T0 + 1000
+    assert task.dead_reason is None and task.dlq_state is None and len(task.attempts) == 1
+    assert await store.redrives(task_id) == [{"task_id": task_id, "redrive_no": 1, "at": T0 + 1000,
+                                              "by": "sre@example", "request_id": "r1"}]
+    assert not await store.redrive(task_id, T0, "x", "r2")  # only DEAD can be redriven
+    [claimed] = await store.claim_due("q", 1, LEASE, "w1", T0 + 1000)
+    assert claimed.attempt_count == 1 and claimed.redrive_count == 1
+
+
+async def test_release_requeues_at_once_without_counting_an_attempt(store: Store) -> None:
+    task_id = await store.submit(failure(due_in_ms=0))
+    _, token = await claim_one(store)
+    assert await store.release(task_id, token, T0 + 5)
+    task = await store.get(task_id)
+    assert task is not None and task.status == Status.PENDING and task.next_attempt_at == T0 + 5
+    assert task.attempt_count == 1 == len(task.attempts)
+
+
+async def test_succeeded_tasks_are_purged_after_ttl(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    await store.record_success(task_id, token, 2, report(Outcome.SUCCESS, T0))
+    assert await store.purge("q", "finished", T0) == 0
+    assert await store.purge("q", "finished", T0 + 1) == 1
+    assert await store.get(task_id) is None
+    assert await store._in_thread(lambda: store._conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]) == 0
+
+
+async def test_dead_tasks_are_purged_only_after_the_dlq_ack(store: Store) -> None:
+    task_id = await store.submit(failure(dead=ErrorInfo("x", "y")))
+    assert await store.purge("q", "finished", T0 + 10**9) == 0  # not yet published: never purged
+    [task] = await store.dlq_outbox()
+    assert task.id == task_id and len(task.attempts) == 1
+    assert await store.mark_dlq_published(task, "q.dlq", 0, 42, T0 + 5)
+    assert await store.dlq_outbox() == []
+    assert await store.purge("q", "finished", T0 + 1) == 1
+
+
+async def test_retain_from_fetched_counts_from_the_first_read(store: Store) -> None:
+    task_id = await store.submit(failure())
+    _, token = await claim_one(store)
+    await store.record_success(task_id, token, 2, report(Outcome.SUCCESS, T0))
+    assert await store.purge("q", "fetched", T0 + 10**9) == 0  # unread: held indefinitely
+    assert await store.mark_fetched(task_id, T0 + 100)
+    assert not await store.mark_fetched(task_id, T0 + 200)  # the first read starts the clock
+    assert await store.purge("q", "fetched", T0 + 100) == 0
+    assert await store.purge("q", "fetched", T0 + 101) == 1
+
+
+async def test_counts_and_lists(store: Store) -> None:
+    await store.submit(failure())
+    await store.submit(failure(dead=ErrorInfo("rdq.Unroutable", "x")))
+    await store.submit(failure(queue="other"))
+    assert await store.counts() == {"q": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 1},
+                                    "other": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 0}}
+    assert await store.count_open("q") == 1
+    assert len(await store.list_tasks(queue="q", status=Status.DEAD)) == 1
+    assert len(await store.dead_ids("q", error_type="rdq.Unroutable")) == 1
+    assert await store.dead_ids("q", error_type="rdq.Timeout") == []
+
+
+async def test_concurrent_submits_are_group_committed(store: Store) -> None:
+    ids = await asyncio.gather(*(store.submit(failure()) for _ in range(500)))
+    assert len(set(ids)) == 500
+    assert store.stats.batches < 50  # one fsync covers many callers
+    assert (await store.counts())["q"]["PENDING"] == 500
+
+
+async def test_a_failing_operation_does_not_undo_its_batch(store: Store) -> None:
+    new = failure()
+    await store.submit(new)
+    results = await asyncio.gather(store.submit(failure()), store.submit(new), store.submit(failure()),
+                                   return_exceptions=True)
+    assert isinstance(results[1], StoreError) and "UNIQUE" in str(results[1])
+    assert all(isinstance(r, str) for r in (results[0], results[2]))
+    assert (await store.counts())["q"]["PENDING"] == 3
+
+
+async def test_reopen_keeps_everything_and_refuses_a_newer_schema(tmp_path: Path) -> None:
+    path = tmp_path / "rdq.db"
+    store = await Store.open(path)
+    task_id = await store.submit(failure())
+    await store.close()
+    store = await Store.open(path)
+    assert (await store.get(task_id)) is not None
+    await store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA user_version=99")
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this rdq-bridge knows"):
+        await Store.open(path)
+
+
+async def test_unwritable_store_fails_with_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="cannot open"):
+        await Store.open(tmp_path / "file" / "rdq.db")
