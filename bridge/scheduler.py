@@ -53,7 +53,7 @@ class Scheduler:
         self.paused: set[str] = set()
         self._running: dict[str, _Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._slot_freed = asyncio.Event()
+        self._slot_freed: dict[str, asyncio.Event] = {}
         self._stopping = False
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -95,23 +95,25 @@ class Scheduler:
                 await self._idle(name, queue, wake, stop)
 
     async def _idle(self, name: str, queue: QueueConfig, wake: asyncio.Event, stop: asyncio.Event) -> None:
+        """Sleep until a slot frees (when full), the next task is due, a wake-up, or stop: whichever is first."""
+        events = [wake, stop]
         timeout = _MAX_IDLE
         if self.running_count(name) >= queue.concurrency:
-            self._slot_freed.clear()
-            waiters = [self._slot_freed.wait(), wake.wait(), stop.wait()]
+            freed = self._slot_freed.setdefault(name, asyncio.Event())
+            freed.clear()
+            events.append(freed)
         else:
             next_due = await self.store.next_due_at(name)
             if next_due is not None:
                 timeout = min(_MAX_IDLE, max(0.0, (next_due - self.clock.now_ms()) / 1000))
-            waiters = [wake.wait(), stop.wait()]
         if timeout <= 0:
             return
-        tasks = [asyncio.ensure_future(w) for w in waiters]
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
         try:
-            await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in tasks:
-                t.cancel()
+            for w in waiters:
+                w.cancel()
 
     async def run_once(self, name: str) -> int:
         """Claim as many due tasks as free slots allow and start them. Returns how many were claimed."""
@@ -143,7 +145,7 @@ class Scheduler:
         finally:
             self._running.pop(task.id, None)
             execution.done.set()
-            self._slot_freed.set()
+            self._slot_freed.setdefault(task.queue, asyncio.Event()).set()
 
     async def _attempt(self, execution: _Execution) -> None:
         task = execution.task
