@@ -1,0 +1,230 @@
+"""Retry-engine benchmarks (issue 3). Each prints its figures and appends them to bench/RESULTS.md.
+
+    python -m bench.bench_engine failures [--n 20000] [--batch 500]   # durable failure writes vs plain SQLite
+    python -m bench.bench_engine retry [--n 20000]                    # claim + complete per second
+    python -m bench.bench_engine scale [--sizes 10000,100000,1000000] # claim latency and RSS vs tasks stored
+    python -m bench.bench_engine all
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import percentile, record, rss_mib
+from bridge.clock import SystemClock
+from bridge.config import parse_config
+from bridge.engine import Engine
+from bridge.live_config import LiveConfig
+from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
+from bridge.queries import q
+from bridge.registry import Registry
+from bridge.store import RunReport, Store
+
+PAYLOAD = b'{"order": 12345, "items": [1, 2, 3], "note": "' + b"x" * 900 + b'"}'  # ~1 KB
+STACK = "Traceback (most recent call last):\n" + '  File "app.py", line 10, in handle\n' * 8 + "ConnectionError"
+
+
+def new_failures(n: int, now: int, due_in_ms: int = 0) -> list[NewTask]:
+    error = ErrorInfo("ConnectionError", "connect timed out after 500ms", STACK)
+    headers = {"rdq.source": "kafka://orders/3/1234567", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+               "kafka.key": "order-12345", "kafka.timestamp": "1800000000000"}
+    return [NewTask("q", "ok", PAYLOAD, headers, Status.PENDING, now,
+                    Attempt(1, 0, now, now, Outcome.RETRYABLE_FAILURE, error, "bench"), now + due_in_ms)
+            for _ in range(n)]
+
+
+# ---- 1. failures stored per second ------------------------------------------------------------------------
+
+
+def plain_inserts(path: Path, tasks: list[NewTask], batch: int) -> float:
+    """Baseline: the same rows, executemany in transactions of `batch`, same WAL + synchronous=FULL."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    began = time.perf_counter()
+    for i in range(0, len(tasks), batch):
+        chunk = tasks[i : i + batch]
+        conn.execute("BEGIN")
+        conn.executemany(q("insert_task"), [t.params() for t in chunk])
+        conn.executemany(q("insert_attempt"), [t.first_attempt.params(t.id) for t in chunk if t.first_attempt])
+        conn.execute("COMMIT")
+    elapsed = time.perf_counter() - began
+    conn.close()
+    return len(tasks) / elapsed
+
+
+async def store_submits(path: Path, tasks: list[NewTask], batch: int) -> tuple[float, Store]:
+    """The store as the consumer drives it: a batch of records fails, all its failures are stored at once."""
+    store = await Store.open(path)
+    began = time.perf_counter()
+    for i in range(0, len(tasks), batch):
+        await asyncio.gather(*(store.submit(t) for t in tasks[i : i + batch]))
+    elapsed = time.perf_counter() - began
+    await store.close()
+    return len(tasks) / elapsed, store
+
+
+async def bench_failures(n: int, batch: int) -> None:
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        now = SystemClock().now_ms()
+        base_path, store_path = Path(tmp) / "plain.db", Path(tmp) / "store.db"
+        store = await Store.open(base_path)  # the same schema and indexes for the baseline
+        await store.close()
+        baseline = plain_inserts(base_path, new_failures(n, now), batch)
+        rate, used = await store_submits(store_path, new_failures(n, now), batch)
+    record("failures stored per second (synchronous=FULL)", [
+        f"tasks: {n}, 1 KB payload, 1 attempt each; records failing together: {batch}",
+        f"baseline  plain executemany, {batch} rows per transaction: {baseline:10.0f} /s",
+        f"rdq store submit(), group commit:                 {rate:10.0f} /s  "
+        f"(transactions: {used.stats.batches}, largest: {used.stats.largest_batch})",
+        f"ratio store / baseline: {rate / baseline:.2f}  (goal >= 0.5 and >= 5000/s)",
+    ])
+
+
+# ---- 2. claim + complete per second ----------------------------------------------------------------------
+
+
+async def bench_retry(n: int) -> None:
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        now = SystemClock().now_ms()
+        store = await Store.open(Path(tmp) / "a.db")
+        for _ in range(0, n, 1000):
+            await asyncio.gather(*(store.submit(t) for t in new_failures(1000, now)))
+        began = time.perf_counter()
+        done = 0
+
+        async def worker() -> None:
+            nonlocal done
+            while True:
+                tasks = await store.claim_due("q", 50, 30.0, "bench", SystemClock().now_ms())
+                if not tasks:
+                    return
+                t = SystemClock().now_ms()
+                await asyncio.gather(*(store.record_success(x.id, x.lease_token, x.attempt_count, RunReport(
+                    t, t, Outcome.SUCCESS, None, "bench")) for x in tasks))
+                done += len(tasks)
+
+        await asyncio.gather(*(worker() for _ in range(4)))
+        raw = done / (time.perf_counter() - began)
+        await store.close()
+
+        scheduled = await through_scheduler(Path(tmp) / "b.db", n, now)
+    record("retry path: due tasks claimed, run and completed per second", [
+        f"due tasks: {n}",
+        f"store only (claim 50 + record_success, 4 workers): {raw:8.0f} /s",
+        f"scheduler with a no-op async handler (concurrency 64): {scheduled:8.0f} /s  (goal >= 3000/s)",
+    ])
+
+
+async def through_scheduler(path: Path, n: int, now: int) -> float:
+    store = await Store.open(path)
+    for _ in range(0, n, 1000):
+        await asyncio.gather(*(store.submit(t) for t in new_failures(1000, now)))
+    registry = Registry()
+
+    async def noop(ctx: object) -> None:
+        return None
+
+    registry.register("ok", noop)
+    config = parse_config({"kafka": {"bootstrap_servers": "x:1"}, "queues": {"q": {"handler": "ok",
+                           "concurrency": 64}}, "engine": {"handler_modules": []}})
+    engine = Engine(store, LiveConfig(config), registry, instance_id="bench")
+    stop = asyncio.Event()
+    began = time.perf_counter()
+    runner = asyncio.create_task(engine.scheduler.run(stop))
+    while (await store.counts())["q"]["SUCCEEDED"] < n:  # noqa: ASYNC110 - polling the store is the measurement
+        await asyncio.sleep(0.05)
+    rate = n / (time.perf_counter() - began)
+    stop.set()
+    await runner
+    engine.close()
+    await store.close()
+    return rate
+
+
+# ---- 3. claim latency and memory with many tasks stored --------------------------------------------------
+
+
+def fill(path: Path, total: int, due: int, now: int) -> None:
+    """Bulk-load `total` tasks: `due` due now, the rest finished or due far in the future."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous=OFF")
+    headers = json.dumps({"rdq.source": "kafka://orders/0/1", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+    chunk = 50_000
+    for start in range(0, total, chunk):
+        rows = []
+        for i in range(start, min(total, start + chunk)):
+            kind = i % 10
+            if i < due:
+                status, next_at, finished = "PENDING", now - 1, None
+            elif kind < 7:
+                status, next_at, finished = "SUCCEEDED", None, now
+            elif kind < 9:
+                status, next_at, finished = "DEAD", None, now
+            else:
+                status, next_at, finished = "PENDING", now + 86_400_000, None
+            rows.append((new_task_id(), "q", "ok", PAYLOAD, "application/json", headers, status, 1, next_at, now,
+                         now, finished, "PUBLISHED" if status == "DEAD" else None))
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO tasks (id, queue, handler_ref, payload, payload_content_type, headers, status, attempt_count,"
+            " next_attempt_at, created_at, life_started_at, finished_at, dlq_state)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+        conn.execute("COMMIT")
+    conn.execute("ANALYZE")
+    conn.close()
+
+
+async def bench_scale(sizes: list[int], claims: int) -> None:
+    lines = [f"claim_due(limit=10) latency over {claims} claims; 70% SUCCEEDED, 20% DEAD, 10% future PENDING, "
+             f"{claims * 10} due"]
+    for size in sizes:
+        with tempfile.TemporaryDirectory(dir=".") as tmp:
+            path = Path(tmp) / "scale.db"
+            store = await Store.open(path)
+            await store.close()
+            now = SystemClock().now_ms()
+            fill(path, size, claims * 10, now)
+            store = await Store.open(path)
+            latencies = []
+            for _ in range(claims):
+                began = time.perf_counter()
+                got = await store.claim_due("q", 10, 30.0, "bench", now)
+                latencies.append((time.perf_counter() - began) * 1000)
+                assert len(got) == 10
+            params = {"queue": "q", "now": now, "limit": 10, "lease_ms": 1, "owner": "x"}
+            plan = await store._read(lambda c, p=params: " / ".join(
+                r[3] for r in c.execute("EXPLAIN QUERY PLAN " + q("claim_due"), p)))
+            p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+            lines.append(f"{size:>9} tasks: p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  RSS {rss_mib():6.1f} MiB  "
+                         f"file {path.stat().st_size / 2**20:7.1f} MiB")
+            await store.close()
+    lines.append(f"query plan: {plan}")
+    lines.append("goal: p99 < 5 ms at 1M, memory flat")
+    record("claim latency and memory vs tasks stored", lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=["failures", "retry", "scale", "all"])
+    parser.add_argument("--n", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--sizes", default="10000,100000,1000000")
+    parser.add_argument("--claims", type=int, default=500)
+    args = parser.parse_args()
+    if args.which in ("failures", "all"):
+        asyncio.run(bench_failures(args.n, args.batch))
+    if args.which in ("retry", "all"):
+        asyncio.run(bench_retry(args.n))
+    if args.which in ("scale", "all"):
+        asyncio.run(bench_scale([int(s) for s in args.sizes.split(",")], args.claims))
+
+
+if __name__ == "__main__":
+    main()
