@@ -49,13 +49,19 @@ class _Model(BaseModel):
 class KafkaConfig(_Model):
     bootstrap_servers: str
     group_id: str = "rdq-bridge"
-    # Passed through to librdkafka as is (SASL/SSL settings included), for every client the bridge makes.
+    # Passed through to librdkafka as is (SASL/SSL settings included): `client` to every client the bridge
+    # makes, `consumer` and `producer` to those only (e.g. session.timeout.ms, group.instance.id).
     client: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    consumer: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
     # Records of one partition handled at once on first delivery (SPEC §5.2).
     partition_concurrency: int = Field(default=16, ge=1, le=10_000)
     # Topics the dev launcher / `rdq topics` create when missing.
     topic_partitions: int = Field(default=3, ge=1)
     topic_replication_factor: int = Field(default=1, ge=1)
+    # Largest DLQ record the bridge produces (and the max.message.bytes `rdq topics` gives DLQ topics): a DLQ
+    # record carries the payload base64-encoded plus its history, so it outgrows the source record.
+    dlq_max_message_bytes: int = Field(default=8 * 1024 * 1024, ge=10_000, le=1_000_000_000)
 
 
 class StoreConfig(_Model):

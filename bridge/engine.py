@@ -68,17 +68,23 @@ class Engine:
             self.scheduler.wake(queue)
         return done
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Scheduler, sweep and config watcher until `stop`; one of them dying stops the others."""
-        parts = [
-            asyncio.create_task(self.scheduler.run(stop), name="rdq-scheduler"),
+    def parts(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        """Scheduler (draining on stop), sweep and config watcher, as tasks to supervise."""
+        return [
+            asyncio.create_task(self._schedule(stop), name="rdq-scheduler"),
             asyncio.create_task(self.sweeper.run(stop, self.config.current.engine.sweep_interval), name="rdq-sweep"),
             asyncio.create_task(self.config.watch(stop), name="rdq-config-watch"),
         ]
+
+    async def _schedule(self, stop: asyncio.Event) -> None:
         try:
-            await supervise(parts, stop)
+            await self.scheduler.run(stop)
         finally:
             await self.scheduler.drain(self.config.current.engine.grace_period)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """The engine alone until `stop`; one part dying stops the others."""
+        await supervise(self.parts(stop), stop)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

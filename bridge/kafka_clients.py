@@ -16,7 +16,8 @@ def _base(config: BridgeConfig) -> dict[str, Any]:
 
 def producer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
     # Idempotence implies acks=all and ordered, de-duplicated retries: what the DLQ outbox relies on.
-    return {**_base(config), "enable.idempotence": True, "acks": "all", "linger.ms": 5, **overrides}
+    return {**_base(config), "enable.idempotence": True, "acks": "all", "linger.ms": 5, **config.kafka.producer,
+            **overrides}
 
 
 def consumer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
@@ -28,12 +29,19 @@ def consumer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
         "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest",
         "partition.assignment.strategy": "cooperative-sticky",
+        "auto.commit.interval.ms": 1000,
+        **config.kafka.consumer,
         **overrides,
     }
 
 
 def make_producer(config: BridgeConfig, **overrides: Any) -> Producer:
     return Producer(producer_config(config, **overrides))
+
+
+def make_dlq_producer(config: BridgeConfig, batch_bytes: int) -> Producer:
+    return make_producer(config, **{"message.max.bytes": config.kafka.dlq_max_message_bytes,
+                                    "batch.size": batch_bytes})
 
 
 def make_consumer(config: BridgeConfig, **overrides: Any) -> Consumer:
@@ -51,9 +59,12 @@ def ensure_topics(config: BridgeConfig, timeout: float = 30.0) -> list[str]:
     wanted = [t for t in config.topics() if t not in existing]
     if not wanted:
         return []
+    dlq_topics = {config.dlq_topic(q) for q in config.queues}
+    dlq_settings = {"max.message.bytes": str(config.kafka.dlq_max_message_bytes)}
     new = [
         NewTopic(t, num_partitions=config.kafka.topic_partitions,
-                 replication_factor=config.kafka.topic_replication_factor)
+                 replication_factor=config.kafka.topic_replication_factor,
+                 config=dlq_settings if t in dlq_topics else {})
         for t in wanted
     ]  # fmt: skip
     created = []

@@ -1,7 +1,9 @@
 """`rdq run`: the bridge as a service. Wires the parts, handles signals, stops gracefully (SPEC §4.9).
 
+Data flows one way: source record → first delivery (handler) → store → scheduler → DLQ publisher.
 First SIGINT/SIGTERM: stop consuming and claiming, let running handlers finish within the grace period,
-release the leases still held, close the store. A second signal forces exit. SIGHUP reloads the config.
+release the leases still held, commit offsets, close the store. A second signal forces exit.
+SIGHUP reloads the config (so does a change of the file).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import signal
 from pathlib import Path
 
 from bridge.config import BridgeConfig
-from bridge.engine import Engine
-from bridge.kafka_clients import broker_reachable
+from bridge.consumer import SourceConsumer
+from bridge.dlq import DlqPublisher
+from bridge.engine import Engine, supervise
+from bridge.first_delivery import FirstDelivery
+from bridge.kafka_clients import broker_reachable, make_admin, make_consumer, make_dlq_producer
 from bridge.live_config import LiveConfig
+from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
 from bridge.store import Store
 
@@ -43,22 +49,52 @@ def check_handlers(config: BridgeConfig, registry: Registry) -> None:
                       ", ".join(registry.names()), extra={"queue": name})
 
 
+class Bridge:
+    """Every part of a running bridge, built from one config."""
+
+    def __init__(self, config: BridgeConfig, store: Store, registry: Registry, config_path: Path | None = None,
+                 instance_id: str | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.live = LiveConfig(config, config_path)
+        self.engine = Engine(store, self.live, registry, instance_id=instance_id)
+        self.run_id = f"{self.engine.instance_id}-{new_task_id()}"
+        grace = config.engine.grace_period
+        self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.executor,
+                                      self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set())
+        self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
+                                       lambda: make_consumer(config), grace,
+                                       paused_queues=lambda: self.engine.scheduler.paused)
+        self.delivery.on_store_health = self.consumer.set_store_health
+        self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
+                                lambda: make_admin(config), self.engine.clock, self.engine.dead_event)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        parts = [
+            *self.engine.parts(stop),
+            asyncio.create_task(self.consumer.run(stop), name="rdq-consumer"),
+            asyncio.create_task(self.dlq.run(stop), name="rdq-dlq"),
+        ]
+        try:
+            await supervise(parts, stop)
+        finally:
+            self.engine.close()
+
+
 async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
-    live = LiveConfig(config, config_path)
     registry = load_handler_modules(config.engine.handler_modules)
     check_handlers(config, registry)
     store = await Store.open(config.store.path, config.store.synchronous, config.store.busy_timeout,
                              config.store.group_commit_max)
-    engine = Engine(store, live, registry)
-    _install_signals(asyncio.get_running_loop(), stop, live)
+    bridge = Bridge(config, store, registry, config_path)
+    _install_signals(asyncio.get_running_loop(), stop, bridge.live)
     reachable = await asyncio.to_thread(broker_reachable, config)
-    log.info("rdq bridge %s started: store %s, kafka %s (%s), queues %s", engine.instance_id, store.path,
+    log.info("rdq bridge %s started: store %s, kafka %s (%s), queues %s", bridge.engine.instance_id, store.path,
              config.kafka.bootstrap_servers, "reachable" if reachable else "not reachable yet",
-             ", ".join(config.queues), extra={"instance": engine.instance_id})
+             ", ".join(config.queues), extra={"instance": bridge.engine.instance_id})
     try:
-        await engine.run(stop)
+        await bridge.run(stop)
     finally:
-        engine.close()
         await asyncio.shield(store.close())
-        log.info("rdq bridge %s stopped", engine.instance_id)
+        log.info("rdq bridge %s stopped", bridge.engine.instance_id)

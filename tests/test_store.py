@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bridge.model import ErrorInfo, Outcome, Status
+from bridge.queries import migrations
 from bridge.store import Store, StoreError
 from tests.helpers import T0, failure, report
 
@@ -32,7 +33,7 @@ async def test_store_is_wal_with_full_sync_by_default(store: Store) -> None:
     conn = sqlite3.connect(store.path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert await store._in_thread(lambda: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2  # FULL
-    assert await store.schema_version() == 1
+    assert await store.schema_version() == len(migrations()) >= 2
 
 
 async def test_submit_retryable_first_delivery_is_pending_with_attempt_one(store: Store) -> None:
@@ -320,3 +321,33 @@ async def test_unwritable_store_fails_with_a_clear_error(tmp_path: Path) -> None
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="cannot open"):
         await Store.open(tmp_path / "file" / "rdq.db")
+
+
+async def test_a_store_written_by_schema_version_1_opens_and_migrates(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    version, _, sql = migrations()[0]
+    conn.executescript(f"BEGIN; {sql}; PRAGMA user_version={version}; COMMIT;")
+    conn.execute("INSERT INTO tasks (id, queue, handler_ref, payload, payload_content_type, headers, status, "
+                 "next_attempt_at, created_at, life_started_at) VALUES ('01OLD', 'q', 'ok', x'00', 'b', '{}', "
+                 "'PENDING', 1, 1, 1)")
+    conn.close()
+    store = await Store.open(path)
+    try:
+        assert await store.schema_version() == len(migrations())
+        task = await store.get("01OLD")
+        assert task is not None and task.status == Status.PENDING
+        assert await store.journal_suspects("run") == []
+    finally:
+        await store.close()
+
+
+async def test_first_delivery_journal(store: Store) -> None:
+    await store.journal_inflight("run-1", [("t", 0, 10, 20), ("t", 1, 5, 5)], [], T0)
+    await store.journal_inflight("run-1", [("t", 0, 15, 30)], [], T0)  # one row per partition and run
+    assert sorted(await store.journal_suspects("run-2")) == [("t", 0, 15, 30), ("t", 1, 5, 5)]
+    assert await store.journal_suspects("run-1") == []
+    await store.journal_inflight("run-2", [], [("t", 1, 6)], T0)  # committed past 5: pruned
+    assert await store.journal_suspects("run-2") == [("t", 0, 15, 30)]
+    await store.journal_forget_run("run-1")
+    assert await store.journal_suspects("run-2") == []

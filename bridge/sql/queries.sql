@@ -179,3 +179,19 @@ SELECT queue, status, COUNT(*) AS n FROM tasks GROUP BY queue, status;
 
 -- name: count_open
 SELECT COUNT(*) FROM tasks WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT');
+
+-- name: journal_inflight
+INSERT INTO inflight (topic, partition, run_id, lo, hi, written_at)
+VALUES (:topic, :partition, :run_id, :lo, :hi, :now)
+ON CONFLICT (topic, partition, run_id) DO UPDATE SET lo = excluded.lo, hi = excluded.hi,
+                                                     written_at = excluded.written_at;
+
+-- name: journal_prune
+-- Ranges wholly below the committed offset can no longer come back.
+DELETE FROM inflight WHERE topic = :topic AND partition = :partition AND hi < :committed;
+
+-- name: journal_forget_run
+DELETE FROM inflight WHERE run_id = :run_id;
+
+-- name: journal_suspects
+SELECT topic, partition, lo, hi FROM inflight WHERE run_id != :run_id;

@@ -1,0 +1,325 @@
+"""The source consumer (SPEC §4.1, §4.10, §5.1, §5.2, §5.4): at-least-once, concurrent within a partition.
+
+- Every confluent-kafka call runs on one dedicated thread; rebalance callbacks run there too (inside consume).
+- A record's offset is stored for commit only once it is done (succeeded or its task durably stored), and never
+  past a record that is not: the commit is the highest contiguous done offset of each partition.
+- Before a batch's handlers start, each partition's in-flight offset range is journaled (one write per batch): if
+  the process dies, those records come back marked as suspects and become tasks instead of running inline again.
+- A partition is paused while its records wait for a slot, while its queue is over `max_open_tasks`, while the
+  store cannot be written, and while its queue is paused by an operator; it resumes by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from bridge.clock import Clock
+from bridge.config import BridgeConfig
+from bridge.first_delivery import FirstDelivery
+from bridge.live_config import LiveConfig
+from bridge.offsets import PartitionTracker
+from bridge.records import SourceRecord
+from bridge.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+TP = tuple[str, int]
+_BATCH = 500
+_POLL_TIMEOUT = 0.1
+_OFFSET_FLUSH_INTERVAL = 0.2
+_BACKPRESSURE_INTERVAL = 1.0
+_RESUME_FRACTION = 0.9
+
+
+class SourceConsumer:
+    def __init__(self, config: BridgeConfig, live: LiveConfig, delivery: FirstDelivery, store: Store, run_id: str,
+                 clock: Clock, consumer_factory: Callable[[], Consumer], grace_period: float = 10.0,
+                 paused_queues: Callable[[], set[str]] | None = None) -> None:
+        self.config = config
+        self.live = live
+        self.delivery = delivery
+        self.store = store
+        self.run_id = run_id
+        self.clock = clock
+        self.grace_period = grace_period
+        self._consumer_factory = consumer_factory
+        self._operator_paused = paused_queues or (lambda: set())
+        self._consumer: Consumer | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-kafka-consumer")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._trackers: dict[TP, PartitionTracker] = {}
+        self._backlog: dict[TP, deque[SourceRecord]] = {}
+        self._running: dict[TP, set[asyncio.Task[None]]] = {}
+        self._suspects: dict[TP, list[tuple[int, int]]] = {}
+        self._paused: set[TP] = set()
+        self._assigned: set[TP] = set()
+        self._backpressured: set[str] = set()
+        self._store_healthy = True
+        self.stats = {"records": 0, "suspects": 0}
+
+    # ---- plumbing ------------------------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._thread, lambda: fn(*args, **kwargs))
+
+    def set_store_health(self, healthy: bool) -> None:
+        if healthy != self._store_healthy:
+            log.warning("store %s: consumption %s", "writable again" if healthy else "cannot be written",
+                        "resumes" if healthy else "paused")
+        self._store_healthy = healthy
+
+    @property
+    def assignment(self) -> set[TP]:
+        return set(self._assigned)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        for topic, partition, lo, hi in await self.store.journal_suspects(self.run_id):
+            self._suspects.setdefault((topic, partition), []).append((lo, hi))
+        if self._suspects:
+            log.warning("records in flight when the bridge last stopped will be handled as tasks: %s",
+                        {f"{t}/{p}": r for (t, p), r in self._suspects.items()})
+        self._consumer = await self._call(self._consumer_factory)
+        topics = [t for q in self.config.queues.values() for t in q.sources]
+        await self._call(self._consumer.subscribe, topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
+                         on_lost=self._on_lost)
+        pressure = asyncio.create_task(self._watch_backpressure(stop))
+        try:
+            await self._consume_until(stop)
+        finally:
+            pressure.cancel()
+            await self._shutdown()
+
+    async def _consume_until(self, stop: asyncio.Event) -> None:
+        assert self._consumer is not None
+        next_flush = 0.0
+        while not stop.is_set():
+            messages = await self._call(self._consumer.consume, _BATCH, _POLL_TIMEOUT)
+            records = [SourceRecord.from_message(m) for m in messages if self._usable(m)]
+            if records:
+                await self._accept(records)
+            await self._apply_pauses()
+            now = asyncio.get_running_loop().time()
+            if now >= next_flush:
+                await self._flush_offsets()
+                next_flush = now + _OFFSET_FLUSH_INTERVAL
+
+    def _usable(self, msg: Any) -> bool:
+        error = msg.error()
+        if error is None:
+            return True
+        if error.code() != KafkaError._PARTITION_EOF:
+            log.warning("consumer error: %s", error)
+        return False
+
+    async def _accept(self, records: list[SourceRecord]) -> None:
+        newest: dict[TP, int] = {}
+        for record in records:
+            tp = (record.topic, record.partition)
+            self._trackers.setdefault(tp, PartitionTracker()).fetched(record.offset)
+            self._backlog.setdefault(tp, deque()).append(record)
+            newest[tp] = max(newest.get(tp, -1), record.offset)
+        self.stats["records"] += len(records)
+        # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
+        ranges = [(t, p, self._trackers[(t, p)].lowest_pending or hi, hi) for (t, p), hi in newest.items()]
+        await self._journal(ranges)
+        for tp in newest:
+            self._start_ready(tp)
+
+    async def _journal(self, ranges: list[tuple[str, int, int, int]]) -> None:
+        committed = [(t, p, off) for (t, p), tr in self._trackers.items() if (off := tr.commit_offset()) is not None]
+        delay = 0.05
+        while True:
+            try:
+                await self.store.journal_inflight(self.run_id, ranges, committed, self.clock.now_ms())
+                self.set_store_health(True)
+                return
+            except StoreError as e:
+                log.error("cannot journal in-flight records (retrying; consumption paused): %s", e)
+                self.set_store_health(False)
+                await self._apply_pauses()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _start_ready(self, tp: TP) -> None:
+        backlog = self._backlog.get(tp)
+        running = self._running.setdefault(tp, set())
+        limit = self.config.kafka.partition_concurrency
+        while backlog and len(running) < limit:
+            record = backlog.popleft()
+            task = asyncio.create_task(self._deliver(tp, record), name=f"rdq-first-{record.source}")
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+    async def _deliver(self, tp: TP, record: SourceRecord) -> None:
+        queue = self.config.queue_for_topic(record.topic) or ""
+        suspect = self._is_suspect(tp, record.offset)
+        if suspect:
+            self.stats["suspects"] += 1
+        try:
+            await self.delivery.handle(record, queue, suspect)
+        except Exception:
+            # Not done: keep the record pending (the commit cannot pass it) and try it again shortly.
+            log.exception("first delivery failed unexpectedly; retrying", extra={"queue": queue})
+            await asyncio.sleep(1.0)
+            self._backlog.setdefault(tp, deque()).appendleft(record)
+            return
+        finally:
+            if tp in self._trackers:
+                asyncio.get_running_loop().call_soon(self._start_ready, tp)
+        tracker = self._trackers.get(tp)
+        if tracker is not None:
+            tracker.done(record.offset)
+
+    def _is_suspect(self, tp: TP, offset: int) -> bool:
+        return any(lo <= offset <= hi for lo, hi in self._suspects.get(tp, ()))
+
+    # ---- offsets -------------------------------------------------------------------------------------------
+
+    def _commit_offsets(self, tps: set[TP] | None = None, only_new: bool = True) -> list[TopicPartition]:
+        out = []
+        for tp, tracker in self._trackers.items():
+            if tps is not None and tp not in tps:
+                continue
+            offset = tracker.take_new_commit() if only_new else tracker.commit_offset()
+            if offset is not None:
+                out.append(TopicPartition(tp[0], tp[1], offset))
+        return out
+
+    async def _flush_offsets(self) -> None:
+        offsets = [o for o in self._commit_offsets() if (o.topic, o.partition) in self._assigned]
+        if not offsets or self._consumer is None:
+            return
+        try:
+            await self._call(self._consumer.store_offsets, offsets=offsets)
+        except KafkaException as e:
+            log.warning("store_offsets failed (will retry): %s", e)
+            for o in offsets:  # make the next flush try these again
+                tracker = self._trackers.get((o.topic, o.partition))
+                if tracker is not None:
+                    tracker.forget_commit()
+
+    # ---- pauses (SPEC §5.2, §5.4) -------------------------------------------------------------------------
+
+    def _wanted_pauses(self) -> set[TP]:
+        if not self._store_healthy:
+            return set(self._assigned)
+        paused_queues = self._backpressured | self._operator_paused()
+        limit = self.config.kafka.partition_concurrency
+        return {tp for tp in self._assigned
+                if self._backlog.get(tp) or len(self._running.get(tp, ())) >= limit
+                or self.config.queue_for_topic(tp[0]) in paused_queues}
+
+    async def _apply_pauses(self) -> None:
+        if self._consumer is None:
+            return
+        wanted = self._wanted_pauses()
+        to_pause, to_resume = wanted - self._paused, (self._paused - wanted) & self._assigned
+        if to_pause:
+            await self._call(self._consumer.pause, [TopicPartition(t, p) for t, p in to_pause])
+        if to_resume:
+            await self._call(self._consumer.resume, [TopicPartition(t, p) for t, p in to_resume])
+        self._paused = (self._paused | to_pause) - to_resume
+
+    async def _watch_backpressure(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for name in self.live.queue_names():
+                queue = self.live.queue(name)
+                if queue is None:
+                    continue
+                try:
+                    open_tasks = await self.store.count_open(name)
+                except StoreError:
+                    continue
+                if open_tasks >= queue.max_open_tasks and name not in self._backpressured:
+                    log.warning("queue over max_open_tasks (%d): pausing its sources", queue.max_open_tasks,
+                                extra={"queue": name})
+                    self._backpressured.add(name)
+                elif open_tasks < queue.max_open_tasks * _RESUME_FRACTION and name in self._backpressured:
+                    log.info("queue drained below max_open_tasks: resuming its sources", extra={"queue": name})
+                    self._backpressured.discard(name)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _BACKPRESSURE_INTERVAL)
+
+    # ---- rebalances (called on the consumer thread, inside consume) ---------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._assigned.update, tps)
+        log.info("assigned %s", sorted(f"{t}/{p}" for t, p in tps))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        assert self._loop is not None
+        future = asyncio.run_coroutine_threadsafe(self._release(tps), self._loop)
+        try:
+            offsets = future.result(self.grace_period + 5)
+        except Exception:
+            log.exception("could not drain revoked partitions; their uncommitted records will be redelivered")
+            return
+        if offsets:
+            try:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as e:
+                log.warning("commit on revoke failed (records will be redelivered): %s", e)
+        log.info("revoked %s", sorted(f"{t}/{p}" for t, p in tps))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = {(p.topic, p.partition) for p in partitions}
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._forget(tps), self._loop)
+        log.warning("partitions lost %s: their uncommitted records will be redelivered", sorted(tps))
+
+    async def _release(self, tps: set[TP]) -> list[TopicPartition]:
+        """Finish the revoked partitions' running records (within the grace period) and say what to commit.
+
+        Records not started are dropped here: they stay uncommitted, so the next owner gets them.
+        """
+        for tp in tps:
+            self._backlog.pop(tp, None)
+        running = [t for tp in tps for t in self._running.get(tp, ())]
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.grace_period)
+            if late:
+                log.warning("%d records still running after the grace period; they may run twice", len(late))
+        offsets = self._commit_offsets(tps, only_new=False)
+        await self._forget(tps)
+        return offsets
+
+    async def _forget(self, tps: set[TP]) -> None:
+        for tp in tps:
+            self._trackers.pop(tp, None)
+            self._backlog.pop(tp, None)
+            self._running.pop(tp, None)
+        self._assigned -= tps
+        self._paused -= tps
+
+    # ---- graceful stop (SPEC §4.9) -----------------------------------------------------------------------
+
+    async def _shutdown(self) -> None:
+        """Stop consuming; let running first deliveries finish within the grace period; commit; close."""
+        running = [t for ts in self._running.values() for t in ts]
+        late: set[asyncio.Task[None]] = set()
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.grace_period)
+        if self._consumer is not None:
+            offsets = self._commit_offsets(only_new=False)
+            with contextlib.suppress(KafkaException):
+                if offsets:
+                    await self._call(self._consumer.commit, offsets=offsets, asynchronous=False)
+            await self._call(self._consumer.close)  # revokes (our callback commits again) and leaves the group
+        if not late:  # everything handed to a handler finished: this run's journal has nothing to say
+            with contextlib.suppress(StoreError):
+                await self.store.journal_forget_run(self.run_id)
+        self._thread.shutdown(wait=False)

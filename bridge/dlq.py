@@ -1,0 +1,276 @@
+"""Dead-lettering (SPEC §5.3, §6): the DLQ outbox and the v1 wire envelope.
+
+DEAD is committed in the store first; this publisher then sends each unpublished DEAD task to its queue's DLQ
+topic (idempotent producer, acks=all) and records where it landed. What is not acknowledged stays in the outbox
+and is sent again: after a broker outage, after a restart. A record over the topic's size limit keeps its
+payload and is trimmed (stacks, then middle attempts), saying what was trimmed; it is never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+
+from bridge.clock import Clock
+from bridge.config import BridgeConfig
+from bridge.model import Task
+from bridge.records import SOURCE, TRACEPARENT, TRACESTATE, source_headers, source_key
+from bridge.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+SCHEMA = "rdq.dead-letter/v1"
+_STACK_KEEP = 1000
+_MESSAGE_KEEP = 1000
+_RECORD_OVERHEAD = 512  # record batch framing, generously
+_DEFAULT_TOPIC_LIMIT = 1_048_588
+_RETRY_FAILED_AFTER = 5.0
+_DEFAULT_BATCH = 1_000_000
+
+
+@dataclass(frozen=True)
+class DlqRecord:
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes | None]]
+    trimmed: dict[str, Any] | None
+
+    @property
+    def size(self) -> int:
+        headers = sum(len(k) + len(v or b"") for k, v in self.headers)
+        return len(self.value) + len(self.key or b"") + headers + _RECORD_OVERHEAD
+
+
+def envelope(task: Task) -> dict[str, Any]:
+    reason = task.dead_reason
+    return {
+        "schema": SCHEMA,
+        "task": task.to_json(),
+        "reason": {"type": reason.type, "message": reason.message} if reason else None,
+        "attempts": [a.to_json() for a in task.attempts],
+    }
+
+
+def dlq_headers(task: Task) -> list[tuple[str, bytes | None]]:
+    ours: list[tuple[str, bytes | None]] = [
+        ("rdq.task_id", task.id.encode()),
+        ("rdq.queue", task.queue.encode()),
+        ("rdq.source", task.headers.get(SOURCE, "").encode()),
+        ("rdq.error.type", (task.dead_reason.type if task.dead_reason else "").encode()),
+        ("rdq.attempts", str(len(task.attempts)).encode()),
+    ]
+    for name in (TRACEPARENT, TRACESTATE):
+        if name in task.headers:
+            ours.append((name, task.headers[name].encode()))
+    # The source record's own headers, as they came (ours win where names clash).
+    taken = {name for name, _ in ours}
+    return ours + [(k, v) for k, v in source_headers(task.headers) if k not in taken and not k.startswith("rdq.")]
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def build_record(task: Task, limit: int) -> DlqRecord:
+    """The §6 v1 record for a DEAD task, trimmed to fit `limit` bytes if it must be."""
+    body = envelope(task)
+    key, headers = source_key(task.headers), dlq_headers(task)
+    record = DlqRecord(key, _encode(body), headers, None)
+    if record.size <= limit:
+        return record
+    body = copy.deepcopy(body)
+    trimmed: dict[str, Any] = {"original_bytes": record.size}
+    body["trimmed"] = trimmed
+    for step in (_truncate_stacks, _drop_stacks, _drop_middle_attempts, _truncate_messages):
+        step(body, trimmed, lambda: DlqRecord(key, _encode(body), headers, trimmed).size <= limit)
+        record = DlqRecord(key, _encode(body), headers, trimmed)
+        if record.size <= limit:
+            break
+    return record
+
+
+def _errors(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [a["error"] for a in body["attempts"] if a.get("error")]
+
+
+def _truncate_stacks(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+    for error in _errors(body):
+        if error.get("stack") and len(error["stack"]) > _STACK_KEEP:
+            error["stack"] = "…" + error["stack"][-_STACK_KEEP:]
+    trimmed["stacks"] = f"truncated to their last {_STACK_KEEP} characters"
+
+
+def _drop_stacks(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+    for error in _errors(body):
+        error["stack"] = None
+    trimmed["stacks"] = "removed"
+
+
+def _drop_middle_attempts(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+    """Keep the first and the last attempts; remove from the middle, one at a time, until the record fits."""
+    attempts = body["attempts"]
+    removed: list[dict[str, int]] = []
+    trimmed["attempts_removed"] = removed
+    while len(attempts) > 2 and not fits():
+        gone = attempts.pop(len(attempts) // 2)
+        removed.append({"redrive_no": gone["redrive_no"], "attempt_no": gone["attempt_no"]})
+    removed.sort(key=lambda r: (r["redrive_no"], r["attempt_no"]))
+
+
+def _truncate_messages(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+    """Error messages of the attempts and of the dead reason (in `reason` and in `task.dead_reason`)."""
+    reasons = [r for r in (body.get("reason"), body["task"].get("dead_reason")) if r]
+    for error in [*_errors(body), *reasons]:
+        if len(error.get("message") or "") > _MESSAGE_KEEP:
+            error["message"] = error["message"][:_MESSAGE_KEEP] + "…"
+    trimmed["messages"] = f"truncated to {_MESSAGE_KEEP} characters"
+
+
+class DlqPublisher:
+    """Publishes the outbox; runs until `stop`, then waits a little for what is in flight."""
+
+    def __init__(self, store: Store, config: BridgeConfig, producer_factory: Callable[[int], Producer],
+                 admin_factory: Callable[[], AdminClient], clock: Clock, wake: asyncio.Event,
+                 batch: int = 500) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.wake = wake
+        self.batch = batch
+        self._producer_factory = producer_factory
+        self._admin_factory = admin_factory
+        self._producer: Producer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, Task] = {}
+        self._not_before: dict[str, float] = {}
+        self._limits: dict[str, int] = {}
+        self._marking: set[asyncio.Task[None]] = set()
+        self._polling = threading.Event()
+        self.published = 0
+
+    def topic_for(self, task: Task) -> str:
+        queue = self.config.queues.get(task.queue)
+        return (queue.dlq_topic if queue and queue.dlq_topic else None) or f"{task.queue}.dlq"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
+        limits = [await self._limit(self.config.dlq_topic(q)) for q in self.config.queues]
+        self._producer = self._producer_factory(min([_DEFAULT_BATCH, *limits]))
+        self._polling.set()
+        poller = threading.Thread(target=self._poll, name="rdq-dlq-poll", daemon=True)
+        poller.start()
+        try:
+            while not stop.is_set():
+                self.wake.clear()
+                with contextlib.suppress(StoreError):
+                    await self.publish_due()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first(self.wake, stop), 1.0)
+        finally:
+            await self._finish(poller)
+
+    async def publish_due(self) -> int:
+        """Send every unpublished DEAD task not already on its way. Returns how many were sent."""
+        assert self._producer is not None
+        now = asyncio.get_running_loop().time()
+        sent = 0
+        for task in await self.store.dlq_outbox(self.batch + len(self._pending)):
+            if task.id in self._pending or self._not_before.get(task.id, 0) > now:
+                continue
+            topic = self.topic_for(task)
+            record = build_record(task, await self._limit(topic))
+            if record.trimmed:
+                log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, await self._limit(topic),
+                            record.trimmed, extra={"task_id": task.id, "queue": task.queue})
+            try:
+                self._producer.produce(topic, value=record.value, key=record.key,
+                                       headers=cast(Any, record.headers), on_delivery=partial(self._on_delivery, task))
+            except BufferError:
+                break  # the producer queue is full: the rest go next round
+            except KafkaException as e:
+                self._failed(task, f"produce refused: {e}")
+                continue
+            self._pending[task.id] = task
+            sent += 1
+        return sent
+
+    async def _limit(self, topic: str) -> int:
+        if topic not in self._limits:
+            topic_limit = await asyncio.to_thread(self._topic_limit, topic)
+            producer_limit = int(self.config.kafka.dlq_max_message_bytes)
+            self._limits[topic] = min(topic_limit, producer_limit)
+        return self._limits[topic]
+
+    def _topic_limit(self, topic: str) -> int:
+        try:
+            admin = self._admin_factory()
+            resource = ConfigResource("topic", topic)
+            configs = admin.describe_configs([resource])[resource].result(10)
+            return int(configs["max.message.bytes"].value)
+        except Exception as e:  # the limit is an optimisation; the broker still refuses what is too big
+            log.warning("cannot read max.message.bytes of %s (assuming %d): %s", topic, _DEFAULT_TOPIC_LIMIT, e)
+            return _DEFAULT_TOPIC_LIMIT
+
+    def _poll(self) -> None:
+        while self._polling.is_set():
+            assert self._producer is not None
+            self._producer.poll(0.1)
+
+    def _on_delivery(self, task: Task, err: Any, msg: Any) -> None:
+        assert self._loop is not None
+        if err is not None:
+            self._loop.call_soon_threadsafe(self._failed, task, str(err))
+        else:
+            self._loop.call_soon_threadsafe(self._delivered, task, msg.topic(), msg.partition(), msg.offset())
+
+    def _failed(self, task: Task, why: str) -> None:
+        log.error("DLQ publish failed (kept in the outbox, retried): %s", why,
+                  extra={"task_id": task.id, "queue": task.queue})
+        self._pending.pop(task.id, None)
+        assert self._loop is not None
+        self._not_before[task.id] = self._loop.time() + _RETRY_FAILED_AFTER
+
+    def _delivered(self, task: Task, topic: str, partition: int, offset: int) -> None:
+        marking = asyncio.ensure_future(self._mark(task, topic, partition, offset))
+        self._marking.add(marking)
+        marking.add_done_callback(self._marking.discard)
+
+    async def _mark(self, task: Task, topic: str, partition: int, offset: int) -> None:
+        try:
+            await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms())
+            self.published += 1
+            log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
+                     extra={"task_id": task.id, "queue": task.queue})
+        except StoreError as e:  # acknowledged but not recorded: republished later (a duplicate, never a loss)
+            log.error("could not record the DLQ publish: %s", e, extra={"task_id": task.id})
+        finally:
+            self._pending.pop(task.id, None)
+            self._not_before.pop(task.id, None)
+
+    async def _finish(self, poller: threading.Thread) -> None:
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.flush, 5.0)
+        self._polling.clear()
+        await asyncio.to_thread(poller.join, 5.0)
+        if self._marking:
+            await asyncio.wait(list(self._marking), timeout=5.0)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -1,0 +1,122 @@
+"""First delivery (SPEC §4.1): run the handler inline on a source record; a failure becomes a stored task.
+
+`handle()` returns only once the record is done: it succeeded, or its task is durably stored. A store that
+cannot be written is retried (with the consumer paused through `on_store_health`): the record is never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from bridge.clock import Clock
+from bridge.config import QueueConfig
+from bridge.handler_api import HandlerContext
+from bridge.live_config import LiveConfig
+from bridge.model import LEASE_EXPIRED, UNROUTABLE, Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
+from bridge.policy import decide
+from bridge.records import SourceRecord
+from bridge.registry import Registry
+from bridge.runner import RunOutcome, outcome_of, start_handler
+from bridge.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+_STORE_RETRY_MAX = 5.0
+
+
+class FirstDelivery:
+    def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock, executor: Executor | None,
+                 worker: str, on_dead: Callable[[str], None] | None = None,
+                 on_store_health: Callable[[bool], None] | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.registry = registry
+        self.clock = clock
+        self.executor = executor
+        self.worker = worker
+        self.on_dead = on_dead
+        self.on_store_health = on_store_health
+
+    async def handle(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Status | None:
+        """Done when this returns. Returns the status of the stored task, or None on success."""
+        queue = self.config.queue(queue_name)
+        headers = record.task_headers()
+        if queue is None:
+            reason = ErrorInfo(UNROUTABLE, f"topic {record.topic} has no queue in the configuration")
+            return await self._store(self._dead_task(record, queue_name, "", headers, reason, None))
+        if suspect:
+            return await self._store(self._crashed_task(record, queue_name, queue, headers))
+        handler = self.registry.get(queue.handler)
+        if handler is None:
+            reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
+            return await self._store(self._dead_task(record, queue_name, queue.handler, headers, reason, None))
+        task_id = new_task_id()  # handed to the handler now, so retries of the same record share it
+        ctx = HandlerContext(task_id, queue_name, 1, 0, record.value, record.content_type, headers)
+        started = self.clock.now_ms()
+        running = await start_handler(handler, ctx, self.executor)
+        await asyncio.wait([running])
+        result = outcome_of(running, queue.errors)
+        if result.ok:
+            return None
+        return await self._store(self._failed_task(record, queue_name, queue, headers, task_id, handler.version,
+                                                   started, result))
+
+    def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],
+                     task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:
+        now = self.clock.now_ms()
+        assert result.error is not None
+        attempt = Attempt(1, 0, started, now, result.outcome, result.error, self.worker)
+        decision = decide(queue, result.outcome, 1, result.requested_delay)
+        dead = decision.retry_after is None
+        return NewTask(
+            queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
+            status=Status.DEAD if dead else Status.PENDING, created_at=now, first_attempt=attempt,
+            next_attempt_at=None if dead else now + int(decision.retry_after * 1000),  # type: ignore[operator]
+            dead_reason=result.error if dead else None, handler_version=version,
+            payload_content_type=record.content_type, id=task_id,
+        )  # fmt: skip
+
+    def _crashed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig,
+                      headers: dict[str, str]) -> NewTask:
+        """The bridge died while this record's first delivery ran: attempt 1 is LEASE_EXPIRED (poison pill)."""
+        now = self.clock.now_ms()
+        error = ErrorInfo(LEASE_EXPIRED, "the bridge stopped while this record's first delivery was running")
+        decision = decide(queue, Outcome.RETRYABLE_FAILURE, 1)
+        dead = decision.retry_after is None
+        handler = self.registry.get(queue.handler)
+        return NewTask(
+            queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
+            status=Status.DEAD if dead else Status.PENDING, created_at=now,
+            first_attempt=Attempt(1, 0, now, now, Outcome.LEASE_EXPIRED, error, self.worker),
+            next_attempt_at=None if dead else now + int(decision.retry_after * 1000),  # type: ignore[operator]
+            dead_reason=error if dead else None, handler_version=handler.version if handler else None,
+            payload_content_type=record.content_type,
+        )  # fmt: skip
+
+    def _dead_task(self, record: SourceRecord, queue_name: str, handler_ref: str, headers: dict[str, str],
+                   reason: ErrorInfo, attempt: Attempt | None) -> NewTask:
+        return NewTask(queue=queue_name, handler_ref=handler_ref, payload=record.value, headers=headers,
+                       status=Status.DEAD, created_at=self.clock.now_ms(), first_attempt=attempt, dead_reason=reason,
+                       payload_content_type=record.content_type)
+
+    async def _store(self, task: NewTask) -> Status:
+        """Store until it is durable. While the store fails, the consumer is paused; the record is never dropped."""
+        delay = 0.05
+        while True:
+            try:
+                await self.store.submit(task)
+                break
+            except StoreError as e:
+                log.error("cannot store a failed record (retrying; consumption paused): %s", e,
+                          extra={"task_id": task.id, "queue": task.queue})
+                if self.on_store_health:
+                    self.on_store_health(False)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _STORE_RETRY_MAX)
+        if self.on_store_health:
+            self.on_store_health(True)
+        if task.status == Status.DEAD and self.on_dead:
+            self.on_dead(task.queue)
+        return task.status

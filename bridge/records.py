@@ -1,0 +1,114 @@
+"""Source records and the headers that follow them (SPEC §3, §4.1).
+
+A task's headers are a flat string map. The Kafka record's key, timestamp and own headers (names and bytes,
+duplicates and binary values included) are kept losslessly, base64 where bytes may not be UTF-8, so the DLQ
+record can carry them exactly as they came.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+SOURCE = "rdq.source"
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
+KEY_B64 = "rdq.kafka.key"  # base64 of the key bytes; absent when the record had no key
+TIMESTAMP = "rdq.kafka.timestamp"  # ms since the epoch, as the record carried it
+HEADERS_JSON = "rdq.kafka.headers"  # JSON [[name, base64 value or null], ...], in record order
+CONTENT_TYPE_HEADERS = ("content-type", "Content-Type", "contentType")
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+def new_traceparent() -> str:
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def valid_traceparent(value: str | None) -> bool:
+    if not value:
+        return False
+    match = _TRACEPARENT.match(value.strip())
+    return bool(match) and set(match.group(1)) != {"0"} and set(match.group(2)) != {"0"}  # type: ignore[union-attr]
+
+
+def trace_id(traceparent: str) -> str:
+    return traceparent.split("-")[1]
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp: int | None
+    headers: tuple[tuple[str, bytes | None], ...]
+
+    @classmethod
+    def from_message(cls, msg: Any) -> SourceRecord:
+        ts_type, ts = msg.timestamp()
+        return cls(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value() or b"",
+                   ts if ts_type != 0 else None, tuple(msg.headers() or ()))
+
+    @property
+    def source(self) -> str:
+        return f"kafka://{self.topic}/{self.partition}/{self.offset}"
+
+    def header(self, name: str) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def header_text(self, name: str) -> str | None:
+        value = self.header(name)
+        if value is None:
+            return None
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    @property
+    def content_type(self) -> str:
+        for name in CONTENT_TYPE_HEADERS:
+            value = self.header_text(name)
+            if value:
+                return value
+        return "application/octet-stream"
+
+    def task_headers(self) -> dict[str, str]:
+        """`rdq.source`, a valid `traceparent` (the record's, or a new trace), key, timestamp, own headers."""
+        traceparent = self.header_text(TRACEPARENT)
+        own_trace = valid_traceparent(traceparent)
+        headers = {SOURCE: self.source, TRACEPARENT: traceparent if own_trace and traceparent else new_traceparent()}
+        tracestate = self.header_text(TRACESTATE)
+        if tracestate and own_trace:
+            headers[TRACESTATE] = tracestate
+        if self.key is not None:
+            headers[KEY_B64] = base64.b64encode(self.key).decode("ascii")
+        if self.timestamp is not None:
+            headers[TIMESTAMP] = str(self.timestamp)
+        if self.headers:
+            headers[HEADERS_JSON] = json.dumps(
+                [[k, None if v is None else base64.b64encode(v).decode("ascii")] for k, v in self.headers],
+                separators=(",", ":"))
+        return headers
+
+
+def source_key(headers: dict[str, str]) -> bytes | None:
+    value = headers.get(KEY_B64)
+    return None if value is None else base64.b64decode(value)
+
+
+def source_headers(headers: dict[str, str]) -> list[tuple[str, bytes | None]]:
+    value = headers.get(HEADERS_JSON)
+    if not value:
+        return []
+    return [(k, None if v is None else base64.b64decode(v)) for k, v in json.loads(value)]

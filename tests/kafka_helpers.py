@@ -1,0 +1,202 @@
+"""Helpers for tests that run the bridge on a real broker: produce, read a DLQ, account for every record."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+import handlers  # noqa: F401 - the example handlers
+from bridge.config import BridgeConfig, parse_config
+from bridge.kafka_clients import ensure_topics
+from bridge.registry import REGISTRY, Registry
+from bridge.service import Bridge
+from bridge.store import Store
+
+Headers = list[tuple[str, bytes]]
+
+
+def kafka_config(bootstrap: str, tmp_path: Path, unique: str, queues: dict[str, dict[str, Any]],
+                 **extra: Any) -> BridgeConfig:
+    """A config on the test broker with this test's own topics (suffixed), group and store."""
+    tree: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": bootstrap, "group_id": f"g-{unique}", "topic_partitions": 3,
+                  "consumer": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}},
+        "store": {"path": str(tmp_path / "rdq.db")},
+        "queues": queues,
+        "engine": {"sweep_interval": "100ms", "grace_period": "5s", "handler_modules": ["handlers"]},
+    }
+    for key, value in extra.items():
+        tree[key] = {**tree.get(key, {}), **value}
+    return parse_config(tree, "<test>")
+
+
+def produce(config: BridgeConfig, topic: str, records: Iterable[tuple[bytes | None, bytes, Headers]]) -> int:
+    producer = Producer({"bootstrap.servers": config.kafka.bootstrap_servers, "linger.ms": 5})
+    n = 0
+    for key, value, headers in records:
+        producer.produce(topic, value=value, key=key, headers=headers)
+        n += 1
+        if n % 1000 == 0:
+            producer.poll(0)
+    assert producer.flush(60) == 0
+    return n
+
+
+@dataclass
+class DlqRecord:
+    key: bytes | None
+    value: dict[str, Any]
+    headers: dict[str, bytes]
+    raw_headers: list[tuple[str, bytes]]
+    partition: int
+    offset: int
+
+    @property
+    def source(self) -> str:
+        return self.headers["rdq.source"].decode()
+
+
+def read_topic(bootstrap: str, topic: str, settle: float = 2.0, timeout: float = 60.0,
+               expect: int | None = None) -> list[Any]:
+    """Every record of `topic` from the beginning: until `expect` are read, or nothing new for `settle` s."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                         "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
+    consumer.subscribe([topic])
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    quiet_since = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            got = [m for m in consumer.consume(500, 0.5) if m.error() is None]
+            out += got
+            if got:
+                quiet_since = time.monotonic()
+            if expect is not None and len(out) >= expect and time.monotonic() - quiet_since > 0.5:
+                break
+            if expect is None and time.monotonic() - quiet_since > settle:
+                break
+    finally:
+        consumer.close()
+    return out
+
+
+def read_dlq(bootstrap: str, topic: str, **kw: Any) -> list[DlqRecord]:
+    return [DlqRecord(m.key(), json.loads(m.value()), dict(m.headers() or []), list(m.headers() or []),
+                      m.partition(), m.offset()) for m in read_topic(bootstrap, topic, **kw)]
+
+
+async def aread_dlq(bootstrap: str, topic: str, **kw: Any) -> list[DlqRecord]:
+    """read_dlq off the event loop, so an in-process bridge keeps running meanwhile."""
+    return await asyncio.to_thread(read_dlq, bootstrap, topic, **kw)
+
+
+def example_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def committed_lag(config: BridgeConfig, topic: str) -> int:
+    """How many records of `topic` are past the group's committed offsets."""
+    consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": config.kafka.group_id})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        tps = [TopicPartition(topic, p) for p in partitions]
+        lag = 0
+        for tp in consumer.committed(tps, timeout=10):
+            _, high = consumer.get_watermark_offsets(tp, timeout=10)
+            lag += high - max(tp.offset, 0)
+        return lag
+    finally:
+        consumer.close()
+
+
+@dataclass
+class Accounting:
+    produced: set[str]
+    successes: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+
+    @property
+    def missing(self) -> set[str]:
+        return self.produced - set(self.successes) - set(self.dead)
+
+    @property
+    def duplicate_successes(self) -> int:
+        return len(self.successes) - len(set(self.successes))
+
+    @property
+    def duplicate_dead(self) -> int:
+        return len(self.dead) - len(set(self.dead))
+
+    def summary(self) -> str:
+        return (f"records in {len(self.produced)}, successes {len(set(self.successes))}, DLQ {len(set(self.dead))}, "
+                f"lost {len(self.missing)}, duplicate successes {self.duplicate_successes}, "
+                f"duplicate DLQ {self.duplicate_dead}")
+
+
+def sources_of(config: BridgeConfig, topic: str, count: int) -> set[str]:
+    """The rdq.source of every record produced to a fresh topic: offsets are known per partition."""
+    consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": "unused"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        out = set()
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            out |= {f"kafka://{topic}/{p}/{o}" for o in range(low, high)}
+        assert len(out) == count, (len(out), count)
+        return out
+    finally:
+        consumer.close()
+
+
+def account(config: BridgeConfig, log_path: Path, topic: str, dlq_topic: str, produced: int,
+            expect_dead: int | None = None) -> Accounting:
+    result = Accounting(sources_of(config, topic, produced))
+    result.successes = [line["source"] for line in example_log(log_path)]
+    result.dead = [r.source for r in read_dlq(config.kafka.bootstrap_servers, dlq_topic, expect=expect_dead)]
+    return result
+
+
+def b64(data: str) -> bytes:
+    return base64.b64decode(data)
+
+
+@asynccontextmanager
+async def running_bridge(config: BridgeConfig, registry: Registry | None = None,
+                         instance_id: str = "test-bridge") -> AsyncIterator[Bridge]:
+    ensure_topics(config)
+    store = await Store.open(config.store.path)
+    bridge = Bridge(config, store, registry or REGISTRY, instance_id=instance_id)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(bridge.run(stop))
+    try:
+        yield bridge
+    finally:
+        stop.set()
+        await runner
+        await store.close()
+
+
+async def wait_until(predicate: Any, within: float = 60.0, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + within
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)

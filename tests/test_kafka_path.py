@@ -1,0 +1,159 @@
+"""The bridge as a running service on a real broker (SPEC §4.1, §4.10, §5, §6)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from bridge.records import trace_id
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import (
+    aread_dlq,
+    committed_lag,
+    example_log,
+    kafka_config,
+    produce,
+    read_dlq,
+    running_bridge,
+    wait_until,
+)
+
+pytestmark = pytest.mark.kafka
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.fixture
+def example_log_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "example.log"
+    monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(path))
+    return path
+
+
+async def test_success_leaves_no_task_and_commits(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                  example_log_path: Path) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "ok.q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config) as bridge:
+        produce(config, f"in-{unique}", [(f"k{i}".encode(), b"{}", []) for i in range(50)])
+        await wait_until(lambda: len(example_log(example_log_path)) >= 50, what="50 successes")
+        assert await bridge.store.counts() == {}
+        await wait_until(lambda: committed_lag(config, f"in-{unique}") == 0, within=30, what="offsets committed")
+    assert {line["attempt"] for line in example_log(example_log_path)} == {1}
+
+
+async def test_flaky_succeeds_on_retry_and_publishes_nothing(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                             example_log_path: Path) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "flaky.q": {"handler": "flaky", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}",
+                    "max_attempts": 4, "backoff": {"kind": "fixed", "base": "50ms"}}})
+    async with running_bridge(config) as bridge:
+        produce(config, f"in-{unique}", [(b"k", b'{"fail": 2}', [])])
+        await wait_until(lambda: len(example_log(example_log_path)) >= 1, what="the retry's success")
+        [task] = await bridge.store.list_tasks()
+        assert task.status == "SUCCEEDED" and task.attempt_count == 3
+    assert example_log(example_log_path)[0]["attempt"] == 3
+    assert read_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=1.0) == []
+
+
+@pytest.mark.parametrize("case", ["exhausted", "permanent", "unroutable"])
+async def test_dead_records_reach_the_dlq_once_with_their_whole_history(
+        kafka: KafkaEnv, tmp_path: Path, unique: str, example_log_path: Path, case: str) -> None:
+    handler, payload, attempts, error_type = {
+        "exhausted": ("flaky", b'{"fail": 99}', 3, "handlers.examples.TransientError"),
+        "permanent": ("permanent", b"{}", 1, "bridge.handler_api.Permanent"),
+        "unroutable": ("no-such-handler", b"{}", 0, "rdq.Unroutable"),
+    }[case]
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": handler, "sources": [topic], "dlq_topic": dlq, "max_attempts": 3,
+              "backoff": {"kind": "fixed", "base": "20ms"}}})
+    key = b"\x00\xffbinary-key\x80"
+    headers = [("traceparent", TRACEPARENT.encode()), ("bin", b"\xff\xfe\x00"), ("team", b"orders")]
+    async with running_bridge(config) as bridge:
+        produce(config, topic, [(key, payload, headers)])
+        [record] = await aread_dlq(kafka.bootstrap_servers, dlq, expect=1, timeout=60)
+        await wait_until(lambda: bridge.dlq.published >= 1, what="the publish recorded")
+        [task] = await bridge.store.list_tasks()
+        assert task.dlq_state == "PUBLISHED" and task.dlq_offset == record.offset and task.dlq_topic == dlq
+    env = record.value
+    assert env["schema"] == "rdq.dead-letter/v1"
+    assert env["reason"]["type"] == error_type
+    assert env["task"]["status"] == "DEAD" and env["task"]["attempt_count"] == attempts
+    assert base64.b64decode(env["task"]["payload"]) == payload
+    assert len(env["attempts"]) == attempts
+    for i, attempt in enumerate(env["attempts"], start=1):
+        assert attempt["attempt_no"] == i and attempt["started_at"].endswith("Z") and attempt["finished_at"]
+        assert attempt["error"]["type"] == error_type and attempt["error"]["message"]
+        assert attempt["error"]["stack"]
+    # Headers follow the record: trace id, source offset, key, and its own headers byte for byte.
+    assert record.key == key
+    assert trace_id(record.headers["traceparent"].decode()) == trace_id(TRACEPARENT)
+    assert record.headers["rdq.source"] == f"kafka://{topic}/{record_partition(env)}/0".encode()
+    assert record.headers["rdq.task_id"].decode() == env["task"]["id"]
+    assert record.headers["rdq.error.type"].decode() == error_type
+    assert record.headers["rdq.attempts"] == str(attempts).encode()
+    assert record.headers["bin"] == b"\xff\xfe\x00" and record.headers["team"] == b"orders"
+    assert example_log(example_log_path) == []
+
+
+def record_partition(env: dict) -> str:  # type: ignore[type-arg]
+    return env["task"]["headers"]["rdq.source"].split("/")[3]
+
+
+async def test_a_record_without_traceparent_gets_one(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "permanent", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config):
+        produce(config, f"in-{unique}", [(None, b"x", [])])
+        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+    traceparent = record.headers["traceparent"].decode()
+    assert traceparent == record.value["task"]["headers"]["traceparent"]
+    assert len(trace_id(traceparent)) == 32 and record.key is None
+
+
+async def test_oversized_dlq_record_is_trimmed_never_dropped(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """A DLQ topic with a 100 kB limit; a 60 kB payload; five attempts with 20 kB errors."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from bridge.handler_api import HandlerContext
+    from bridge.registry import Registry
+
+    registry = Registry()
+
+    def huge_error(ctx: HandlerContext) -> None:
+        raise ValueError(f"attempt {ctx.attempt}: " + "e" * 20_000)
+
+    registry.register("huge", huge_error)
+    dlq = f"dlq-{unique}"
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    admin.create_topics([NewTopic(dlq, 1, 1, config={"max.message.bytes": "100000"})])[dlq].result(30)
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "huge", "sources": [f"in-{unique}"], "dlq_topic": dlq, "max_attempts": 5,
+              "backoff": {"kind": "fixed", "base": "10ms"}}})
+    payload = bytes(range(256)) * 240  # 61,440 bytes, not UTF-8
+    async with running_bridge(config, registry):
+        produce(config, f"in-{unique}", [(b"big", payload, [])])
+        [record] = await aread_dlq(kafka.bootstrap_servers, dlq, expect=1)
+    env = record.value
+    assert base64.b64decode(env["task"]["payload"]) == payload  # the payload is kept whole
+    trimmed = env["trimmed"]
+    assert trimmed["original_bytes"] > 100_000 and trimmed["stacks"] == "removed"
+    kept = [(a["redrive_no"], a["attempt_no"]) for a in env["attempts"]]
+    removed = [(r["redrive_no"], r["attempt_no"]) for r in trimmed["attempts_removed"]]
+    assert kept[0] == (0, 1) and kept[-1] == (0, 5) and sorted(kept + removed) == [(0, n) for n in range(1, 6)]
+    assert record.headers["rdq.attempts"] == b"5"
+    assert len(json.dumps(env)) < 100_000
+
+
+async def test_large_payload_reaches_the_dlq_intact(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "permanent", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}})
+    payload = b"\xff" * 900_000  # near the source topic's 1 MB limit; base64 in the envelope is ~1.2 MB
+    async with running_bridge(config):
+        produce(config, f"in-{unique}", [(b"k", payload, [])])
+        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+    assert base64.b64decode(record.value["task"]["payload"]) == payload
+    assert "trimmed" not in record.value
