@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sqlite3
 import tempfile
@@ -27,14 +28,16 @@ from bridge.registry import Registry
 from bridge.store import RunReport, Store
 
 PAYLOAD = b'{"order": 12345, "items": [1, 2, 3], "note": "' + b"x" * 900 + b'"}'  # ~1 KB
+_OFFSETS = itertools.count()
 STACK = "Traceback (most recent call last):\n" + '  File "app.py", line 10, in handle\n' * 8 + "ConnectionError"
 
 
 def new_failures(n: int, now: int, due_in_ms: int = 0) -> list[NewTask]:
     error = ErrorInfo("ConnectionError", "connect timed out after 500ms", STACK)
-    headers = {"rdq.source": "kafka://orders/3/1234567", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-               "kafka.key": "order-12345", "kafka.timestamp": "1800000000000"}
-    return [NewTask("q", "ok", PAYLOAD, headers, Status.PENDING, now,
+    headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01", "rdq.kafka.key": "b3JkZXItMTIzNDU=",
+               "rdq.kafka.timestamp": "1800000000000"}
+    return [NewTask("q", "ok", PAYLOAD, {**headers, "rdq.source": f"kafka://orders/3/{next(_OFFSETS)}"},
+                    Status.PENDING, now,
                     Attempt(1, 0, now, now, Outcome.RETRYABLE_FAILURE, error, "bench"), now + due_in_ms)
             for _ in range(n)]
 

@@ -68,9 +68,10 @@ class StoreConfig(_Model):
     path: Path = Path("./rdq.db")
     busy_timeout: Duration = 5.0
     synchronous: Literal["FULL", "NORMAL", "EXTRA"] = "FULL"
-    # Longest a write waits to be grouped with others before its transaction commits.
-    group_commit_window: Duration = 0.002
+    # Most writes one transaction groups together.
     group_commit_max: int = Field(default=2000, ge=1)
+    # Cap on the store file; past it the store is full: consumption pauses until tasks are purged. None: no cap.
+    max_size_mb: float | None = Field(default=None, gt=0)
 
 
 class BackoffConfig(_Model):

@@ -25,6 +25,7 @@ from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.first_delivery import FirstDelivery
 from bridge.live_config import LiveConfig
+from bridge.model import Status
 from bridge.offsets import PartitionTracker
 from bridge.records import SourceRecord
 from bridge.store import Store, StoreError
@@ -34,7 +35,7 @@ TP = tuple[str, int]
 _BATCH = 500
 _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
-_BACKPRESSURE_INTERVAL = 1.0
+_BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
 
 
@@ -61,6 +62,7 @@ class SourceConsumer:
         self._paused: set[TP] = set()
         self._assigned: set[TP] = set()
         self._backpressured: set[str] = set()
+        self._open_tasks: dict[str, int] = {}
         self._store_healthy = True
         self.stats = {"records": 0, "suspects": 0}
 
@@ -74,7 +76,13 @@ class SourceConsumer:
         if healthy != self._store_healthy:
             log.warning("store %s: consumption %s", "writable again" if healthy else "cannot be written",
                         "resumes" if healthy else "paused")
-        self._store_healthy = healthy
+            self._store_healthy = healthy
+            if healthy:
+                self._start_all()
+
+    def _start_all(self) -> None:
+        for tp in list(self._backlog):
+            self._start_ready(tp)
 
     @property
     def assignment(self) -> set[TP]:
@@ -155,6 +163,8 @@ class SourceConsumer:
         backlog = self._backlog.get(tp)
         running = self._running.setdefault(tp, set())
         limit = self.config.kafka.partition_concurrency
+        if not self._store_healthy or self.config.queue_for_topic(tp[0]) in self._held_queues():
+            return  # fetched records wait too, not only the fetching
         while backlog and len(running) < limit:
             record = backlog.popleft()
             task = asyncio.create_task(self._deliver(tp, record), name=f"rdq-first-{record.source}")
@@ -166,20 +176,24 @@ class SourceConsumer:
         suspect = self._is_suspect(tp, record.offset)
         if suspect:
             self.stats["suspects"] += 1
+        done = False
         try:
-            await self.delivery.handle(record, queue, suspect)
+            if await self.delivery.handle(record, queue, suspect) == Status.PENDING:
+                self._note_open_task(queue)
+            done = True
         except Exception:
             # Not done: keep the record pending (the commit cannot pass it) and try it again shortly.
             log.exception("first delivery failed unexpectedly; retrying", extra={"queue": queue})
             await asyncio.sleep(1.0)
             self._backlog.setdefault(tp, deque()).appendleft(record)
-            return
         finally:
-            if tp in self._trackers:
-                asyncio.get_running_loop().call_soon(self._start_ready, tp)
-        tracker = self._trackers.get(tp)
-        if tracker is not None:
-            tracker.done(record.offset)
+            # Free this slot before refilling it (the done-callback that also discards runs later).
+            self._running.get(tp, set()).discard(asyncio.current_task())
+            tracker = self._trackers.get(tp)
+            if tracker is not None:
+                if done:
+                    tracker.done(record.offset)
+                self._start_ready(tp)
 
     def _is_suspect(self, tp: TP, offset: int) -> bool:
         return any(lo <= offset <= hi for lo, hi in self._suspects.get(tp, ()))
@@ -211,10 +225,13 @@ class SourceConsumer:
 
     # ---- pauses (SPEC §5.2, §5.4) -------------------------------------------------------------------------
 
+    def _held_queues(self) -> set[str]:
+        return self._backpressured | self._operator_paused()
+
     def _wanted_pauses(self) -> set[TP]:
         if not self._store_healthy:
             return set(self._assigned)
-        paused_queues = self._backpressured | self._operator_paused()
+        paused_queues = self._held_queues()
         limit = self.config.kafka.partition_concurrency
         return {tp for tp in self._assigned
                 if self._backlog.get(tp) or len(self._running.get(tp, ())) >= limit
@@ -231,6 +248,18 @@ class SourceConsumer:
             await self._call(self._consumer.resume, [TopicPartition(t, p) for t, p in to_resume])
         self._paused = (self._paused | to_pause) - to_resume
 
+    def _note_open_task(self, name: str) -> None:
+        """A new open task: count it now, so a burst of failures is held at the limit, not one poll later."""
+        self._open_tasks[name] = self._open_tasks.get(name, 0) + 1
+        queue = self.live.queue(name)
+        if queue is not None:
+            self._check_backpressure(name, queue.max_open_tasks)
+
+    def _check_backpressure(self, name: str, limit: int) -> None:
+        if self._open_tasks.get(name, 0) >= limit and name not in self._backpressured:
+            log.warning("queue at max_open_tasks (%d): pausing its sources", limit, extra={"queue": name})
+            self._backpressured.add(name)
+
     async def _watch_backpressure(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             for name in self.live.queue_names():
@@ -238,16 +267,14 @@ class SourceConsumer:
                 if queue is None:
                     continue
                 try:
-                    open_tasks = await self.store.count_open(name)
+                    open_tasks = self._open_tasks[name] = await self.store.count_open(name)
                 except StoreError:
                     continue
-                if open_tasks >= queue.max_open_tasks and name not in self._backpressured:
-                    log.warning("queue over max_open_tasks (%d): pausing its sources", queue.max_open_tasks,
-                                extra={"queue": name})
-                    self._backpressured.add(name)
-                elif open_tasks < queue.max_open_tasks * _RESUME_FRACTION and name in self._backpressured:
+                self._check_backpressure(name, queue.max_open_tasks)
+                if open_tasks < queue.max_open_tasks * _RESUME_FRACTION and name in self._backpressured:
                     log.info("queue drained below max_open_tasks: resuming its sources", extra={"queue": name})
                     self._backpressured.discard(name)
+                    self._start_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), _BACKPRESSURE_INTERVAL)
 

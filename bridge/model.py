@@ -218,5 +218,11 @@ class NewTask:
             "finished_at": self.created_at if dead else None,
             "dead_reason_type": self.dead_reason.type if self.dead_reason else None,
             "dead_reason_message": self.dead_reason.message if self.dead_reason else None,
-            "dlq_state": "PENDING" if dead else None,
+            "dlq_state": "PENDING" if dead else None, "source_ref": self.source_ref,
         }  # fmt: skip
+
+    @property
+    def source_ref(self) -> str | None:
+        """The source record this task stands for: `rdq.source` and the record's timestamp."""
+        source = self.headers.get("rdq.source")
+        return None if source is None else f"{source}@{self.headers.get('rdq.kafka.timestamp', '')}"

@@ -87,6 +87,8 @@ async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asy
     check_handlers(config, registry)
     store = await Store.open(config.store.path, config.store.synchronous, config.store.busy_timeout,
                              config.store.group_commit_max)
+    if config.store.max_size_mb is not None:
+        await store.limit_size(int(config.store.max_size_mb * 2**20))
     bridge = Bridge(config, store, registry, config_path)
     _install_signals(asyncio.get_running_loop(), stop, bridge.live)
     reachable = await asyncio.to_thread(broker_reachable, config)

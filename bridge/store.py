@@ -151,6 +151,19 @@ class Store:
             self._writer = None
         await self._db.close()
 
+    async def limit_size(self, max_bytes: int | None) -> None:
+        """Cap the store file (SQLite max_page_count); past it writes fail as a full disk would. None: no cap."""
+        def apply() -> None:
+            page = self._conn.execute("PRAGMA page_size").fetchone()[0]
+            pages = 2**31 - 2 if max_bytes is None else max(1, max_bytes // page)
+            self._conn.execute(f"PRAGMA max_page_count={int(pages)}")
+
+        await self._in_thread(apply)
+
+    async def size_bytes(self) -> int:
+        return int(await self._read(lambda c: c.execute("PRAGMA page_count").fetchone()[0]
+                                    * c.execute("PRAGMA page_size").fetchone()[0]))
+
     async def schema_version(self) -> int:
         return int(await self._read(lambda c: c.execute("PRAGMA user_version").fetchone()[0]))
 
@@ -237,7 +250,7 @@ class Store:
         conn.execute("SAVEPOINT bulk")
         try:
             conn.executemany(q("insert_task"), [t.params() for t in tasks])
-            conn.executemany(q("insert_attempt"),
+            conn.executemany(q("insert_first_attempt"),
                              [t.first_attempt.params(t.id) for t in tasks if t.first_attempt is not None])
             conn.execute("RELEASE bulk")
             return True
@@ -256,12 +269,13 @@ class Store:
     # ---- first delivery --------------------------------------------------------------------------------
 
     async def submit(self, task: NewTask) -> str:
-        """Store a first-delivery failure durably. Returns its id once COMMIT returned."""
+        """Store a first-delivery failure durably; returns once COMMIT returned. A record that already has a task
+        in this store (same `rdq.source` and timestamp) is not stored again: the existing task stands for it."""
 
         def insert(conn: sqlite3.Connection) -> str:
             conn.execute(q("insert_task"), task.params())
             if task.first_attempt is not None:
-                conn.execute(q("insert_attempt"), task.first_attempt.params(task.id))
+                conn.execute(q("insert_first_attempt"), task.first_attempt.params(task.id))
             return task.id
 
         return await self._submit(insert, new_task=task)

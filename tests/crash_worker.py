@@ -25,7 +25,7 @@ async def submitter(store: Store, clock: SystemClock, rng: random.Random) -> Non
         now = clock.now_ms()
         dead = rng.random() < 0.1
         error = ErrorInfo("E", "first delivery")
-        task = NewTask("q", "h", rng.randbytes(rng.randint(0, 2000)), {"rdq.source": "kafka://t/0/0"},
+        task = NewTask("q", "h", rng.randbytes(rng.randint(0, 2000)), {"rdq.source": f"kafka://t/0/{rng.getrandbits(60)}"},
                        Status.DEAD if dead else Status.PENDING, now,
                        Attempt(1, 0, now, now, Outcome.RETRYABLE_FAILURE, error, "c"),
                        None if dead else now, error if dead else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from bridge.config import BridgeConfig, parse_config
@@ -9,6 +10,8 @@ from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
 from bridge.store import RunReport
 
 T0 = 1_800_000_000_000  # a fixed "now" in ms
+_OFFSETS = itertools.count()
+TRACEPARENT = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
 
 
 def engine_config(store_path: str, **queues: dict[str, Any]) -> BridgeConfig:
@@ -27,7 +30,7 @@ def failure(queue: str = "q", now: int = T0, due_in_ms: int = 0, handler: str = 
     error = dead or ErrorInfo("builtins.RuntimeError", "first delivery failed", "Traceback ...")
     return NewTask(
         queue=queue, handler_ref=handler, payload=payload,
-        headers={"rdq.source": "kafka://t/0/1", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"},
+        headers={"rdq.source": f"kafka://t/0/{next(_OFFSETS)}", "traceparent": TRACEPARENT},
         status=Status.DEAD if dead else Status.PENDING, created_at=now,
         first_attempt=Attempt(1, 0, now, now, outcome, error, "test"),
         next_attempt_at=None if dead else now + due_in_ms, dead_reason=dead, handler_version=version,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 import handlers  # noqa: F401 - the example handlers
 from bridge.config import BridgeConfig, parse_config
@@ -108,18 +108,34 @@ def example_log(path: Path) -> list[dict[str, Any]]:
 
 
 def committed_lag(config: BridgeConfig, topic: str) -> int:
-    """How many records of `topic` are past the group's committed offsets."""
+    """How many records of `topic` are past the group's committed offsets (-1: the group cannot say yet)."""
     consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": config.kafka.group_id})
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         tps = [TopicPartition(topic, p) for p in partitions]
         lag = 0
-        for tp in consumer.committed(tps, timeout=10):
+        try:
+            committed = consumer.committed(tps, timeout=10)
+        except KafkaException:  # e.g. the group's coordinator is still loading
+            return -1
+        for tp in committed:
             _, high = consumer.get_watermark_offsets(tp, timeout=10)
             lag += high - max(tp.offset, 0)
         return lag
     finally:
         consumer.close()
+
+
+async def lag(config: BridgeConfig, topic: str) -> int:
+    """committed_lag off the event loop."""
+    return await asyncio.to_thread(committed_lag, config, topic)
+
+
+async def await_lag(config: BridgeConfig, topic: str, expected: int, within: float = 30.0) -> None:
+    async def reached() -> bool:
+        return await lag(config, topic) == expected
+
+    await wait_until(reached, within=within, interval=0.2, what=f"committed lag of {topic} to be {expected}")
 
 
 @dataclass
@@ -200,3 +216,50 @@ async def wait_until(predicate: Any, within: float = 60.0, interval: float = 0.1
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval)
+
+
+class BridgeProcess:
+    """`rdq run` as a child process, for tests that kill it."""
+
+    def __init__(self, config: BridgeConfig, path: Path, env: dict[str, str] | None = None, name: str = "bridge"):
+        import yaml
+
+        self.path = path
+        self.name = name
+        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        self.env = {**__import__("os").environ, **(env or {})}
+        self.proc: Any = None
+        self.log = path.with_suffix(".log")
+        self.starts = 0
+
+    def start(self) -> BridgeProcess:
+        import subprocess
+        import sys
+
+        self.starts += 1
+        out = self.log.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(self.path)],
+                                     stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=Path(__file__).resolve().parent.parent)
+        out.close()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 60) -> int:
+        import signal
+
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+        return int(self.proc.wait(timeout)) if self.proc is not None else 0
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""

@@ -94,8 +94,9 @@ class Lifecycle(RuleBasedStateMachine):
         now = self.clock.now_ms()
         first = Attempt(1, 0, now, now, Outcome.PERMANENT_FAILURE if dead else Outcome.RETRYABLE_FAILURE,
                         ErrorInfo("E", "first"), "consumer")
-        task = NewTask("q", "h", b"p", {"rdq.source": "kafka://t/0/0"}, Status.DEAD if dead else Status.PENDING,
-                       now, first, None if dead else now + due_in, ErrorInfo("E", "first") if dead else None)
+        source = {"rdq.source": f"kafka://t/0/{len(self.ids)}"}
+        task = NewTask("q", "h", b"p", source, Status.DEAD if dead else Status.PENDING, now, first,
+                       None if dead else now + due_in, ErrorInfo("E", "first") if dead else None)
         self.ids.append(self.run(self.store.submit(task)))
 
     @rule(limit=st.integers(1, 4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from pathlib import Path
@@ -12,9 +13,10 @@ from bridge.records import trace_id
 from tests.conftest import KafkaEnv
 from tests.kafka_helpers import (
     aread_dlq,
-    committed_lag,
+    await_lag,
     example_log,
     kafka_config,
+    lag,
     produce,
     read_dlq,
     running_bridge,
@@ -40,7 +42,7 @@ async def test_success_leaves_no_task_and_commits(kafka: KafkaEnv, tmp_path: Pat
         produce(config, f"in-{unique}", [(f"k{i}".encode(), b"{}", []) for i in range(50)])
         await wait_until(lambda: len(example_log(example_log_path)) >= 50, what="50 successes")
         assert await bridge.store.counts() == {}
-        await wait_until(lambda: committed_lag(config, f"in-{unique}") == 0, within=30, what="offsets committed")
+        await await_lag(config, f"in-{unique}", 0)
     assert {line["attempt"] for line in example_log(example_log_path)} == {1}
 
 
@@ -157,3 +159,67 @@ async def test_large_payload_reaches_the_dlq_intact(kafka: KafkaEnv, tmp_path: P
         [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
     assert base64.b64decode(record.value["task"]["payload"]) == payload
     assert "trimmed" not in record.value
+
+
+async def test_a_slow_handler_does_not_cap_a_partition_at_one_record(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                                       example_log_path: Path) -> None:
+    from bridge.handler_api import HandlerContext
+    from bridge.registry import Registry
+
+    registry = Registry()
+    running, peak = 0, 0
+
+    async def slow(ctx: HandlerContext) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.5)
+        running -= 1
+
+    registry.register("slow", slow)
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "slow", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}},
+        kafka={"topic_partitions": 1, "partition_concurrency": 8})
+    async with running_bridge(config, registry):
+        produce(config, f"in-{unique}", [(None, b"{}", []) for _ in range(40)])
+        await await_lag(config, f"in-{unique}", 0)
+    assert peak == 8  # one partition, eight records at a time; 40 records took ~2.5 s, not 20 s
+
+
+async def test_max_open_tasks_pauses_the_source_until_the_queue_drains(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                                        example_log_path: Path) -> None:
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "flaky", "sources": [topic], "dlq_topic": f"dlq-{unique}", "max_open_tasks": 5,
+              "max_attempts": 3, "backoff": {"kind": "fixed", "base": "1500ms"}}},
+        kafka={"topic_partitions": 1, "partition_concurrency": 1})
+    open_counts: list[int] = []
+    async with running_bridge(config) as bridge:
+        produce(config, topic, [(None, b'{"fail": 1}', []) for _ in range(20)])
+
+        async def sampled() -> bool:
+            open_counts.append(await bridge.store.count_open("q"))
+            return len(example_log(example_log_path)) >= 20
+
+        await wait_until(sampled, within=90, interval=0.05, what="all 20 records to succeed on their retry")
+    assert max(open_counts) <= 6, max(open_counts)  # 5, plus the one record running when the pause came
+    assert min(open_counts[len(open_counts) // 2:]) < 5  # it drained, and resumed by itself
+
+
+async def test_a_full_store_pauses_consumption_and_no_offset_passes_it(kafka: KafkaEnv, tmp_path: Path,
+                                                                       unique: str) -> None:
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"dlq-{unique}"}},
+        kafka={"topic_partitions": 1})
+    async with running_bridge(config) as bridge:
+        produce(config, topic, [(None, b"first", [])])
+        await await_lag(config, topic, 0)
+        await bridge.store.limit_size(await bridge.store.size_bytes())  # the disk is full from now on
+        produce(config, topic, [(None, b"x" * 20_000, []) for _ in range(30)])
+        await asyncio.sleep(4)
+        assert await lag(config, topic) == 30  # nothing committed past the records that could not be stored
+        assert (await bridge.store.counts())["q"]["DEAD"] == 1
+        await bridge.store.limit_size(None)  # space returns
+        await await_lag(config, topic, 0)
+        assert (await bridge.store.counts())["q"]["DEAD"] == 31

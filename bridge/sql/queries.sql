@@ -2,12 +2,22 @@
 -- Each post-claim transition is a compare-and-set on (id, lease_token, status): no row changed = refused.
 
 -- name: insert_task
+-- A source record that already has a task here (redelivered after a crash) is not stored twice.
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
-                   dead_reason_type, dead_reason_message, dlq_state)
+                   dead_reason_type, dead_reason_message, dlq_state, source_ref)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status,
         :attempt_count, 0, :next_attempt_at, :created_at, :created_at, :finished_at,
-        :dead_reason_type, :dead_reason_message, :dlq_state);
+        :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref)
+ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
+
+-- name: insert_first_attempt
+INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
+                      error_type, error_message, error_stack, worker, late_result_of)
+SELECT :task_id, 1, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
+       :error_type, :error_message, :error_stack, :worker, :late_result_of
+ WHERE EXISTS (SELECT 1 FROM tasks WHERE id = :task_id)
+   AND NOT EXISTS (SELECT 1 FROM attempts WHERE task_id = :task_id);
 
 -- name: insert_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,

@@ -1,0 +1,179 @@
+"""What the Kafka path survives: SIGKILL at random moments, a handler that kills its process, the broker going
+away and coming back, a second bridge joining and leaving. Every produced record is accounted for: a success
+(counted through RDQ_EXAMPLE_LOG) or a DLQ record; none missing. Duplicates (at-least-once) are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge.kafka_clients import ensure_topics
+from localkafka import LocalBroker
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import (
+    BridgeProcess,
+    account,
+    aread_dlq,
+    example_log,
+    kafka_config,
+    produce,
+    running_bridge,
+)
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def mixed_payloads(n: int, rng: random.Random, dead_share: float = 0.05, transient_share: float = 0.3) -> list[bytes]:
+    """ok on first delivery, transient (fails 1-2 times, then succeeds), or hopeless (→ DLQ)."""
+    out = []
+    for _ in range(n):
+        roll = rng.random()
+        fail = 99 if roll < dead_share else rng.randint(1, 2) if roll < dead_share + transient_share else 0
+        out.append(json.dumps({"fail": fail}).encode())
+    return out
+
+
+def produce_slowly(config: object, topic: str, payloads: list[bytes], per_second: int) -> None:
+    for start in range(0, len(payloads), per_second // 10):
+        chunk = payloads[start : start + per_second // 10]
+        produce(config, topic, [(f"k{start + i}".encode(), p, []) for i, p in enumerate(chunk)])  # type: ignore[arg-type]
+        time.sleep(0.1)
+
+
+def wait_accounted(check: object, within: float, every: float = 1.0) -> object:
+    deadline = time.monotonic() + within
+    while True:
+        result = check()  # type: ignore[operator]
+        if not result.missing or time.monotonic() > deadline:
+            return result
+        time.sleep(every)
+
+
+def test_sigkill_at_random_moments_loses_nothing(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    rng = random.Random(4242)
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    log_path = tmp_path / "example.log"
+    # Static membership: a restarted bridge takes its partitions back at once instead of waiting out the
+    # session of the one that was killed (how a sidecar with a stable identity should run).
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 4, "lease": "3s",
+                  "backoff": {"kind": "fixed", "base": "50ms"}}},
+        kafka={"consumer": {"group.instance.id": f"bridge-{unique}", "session.timeout.ms": 10000}})
+    ensure_topics(config)
+    payloads = mixed_payloads(3000, rng)
+    # Records keep arriving (~200/s) while the bridge is killed, so kills land mid-work.
+    feeder = threading.Thread(target=produce_slowly, args=(config, topic, payloads, 200))
+    feeder.start()
+    bridge = BridgeProcess(config, tmp_path / "bridge.yaml", {"RDQ_EXAMPLE_LOG": str(log_path)})
+    kills = 6
+    for _ in range(kills):
+        bridge.start()
+        time.sleep(rng.uniform(1.5, 4.0))
+        assert bridge.alive, bridge.tail()
+        bridge.kill()
+    bridge.start()
+    feeder.join()
+    try:
+        result = wait_accounted(lambda: account(config, log_path, topic, dlq, len(payloads)), within=180)
+    finally:
+        assert bridge.terminate() == 0, bridge.tail()
+    print(f"\nSIGKILL x{kills}: {result.summary()}")  # type: ignore[attr-defined]
+    runs_with_work = bridge.log.read_text().count("assigned [")
+    assert runs_with_work >= kills // 2, "most runs should have been assigned partitions before their kill"
+    assert not result.missing, f"lost: {sorted(result.missing)[:10]}"  # type: ignore[attr-defined]
+    hopeless = sum(1 for p in payloads if b"99" in p)
+    assert len(set(result.dead)) >= hopeless  # type: ignore[attr-defined]
+
+
+def test_a_handler_that_kills_its_process_ends_in_the_dlq(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """Poison pill: first delivery kills the bridge; after restarts it is a task whose LEASE_EXPIRED attempts
+    count against max_attempts, and it reaches the DLQ."""
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "crashy": {"handler": "crash", "sources": [topic], "dlq_topic": dlq, "max_attempts": 3, "lease": "1s",
+                   "backoff": {"kind": "fixed", "base": "10ms"}}})
+    ensure_topics(config)
+    produce(config, topic, [(b"poison", b"{}", [])])
+    bridge = BridgeProcess(config, tmp_path / "bridge.yaml")
+    records: list = []
+    deadline = time.monotonic() + 180
+    while not records and time.monotonic() < deadline:
+        if not bridge.alive:
+            assert bridge.starts < 10, f"still no DLQ record after {bridge.starts} starts:\n{bridge.tail()}"
+            bridge.start()
+        records = asyncio.run(aread_dlq(kafka.bootstrap_servers, dlq, settle=1.0, timeout=3.0))
+    bridge.terminate()
+    assert len(records) == 1, bridge.tail()
+    env = records[0].value
+    assert [a["outcome"] for a in env["attempts"]] == ["LEASE_EXPIRED"] * 3
+    assert env["reason"]["type"] == "rdq.LeaseExpired" and records[0].key == b"poison"
+    assert bridge.starts >= 4  # it killed the bridge on each of its three runs
+
+
+async def test_broker_down_and_back_loses_nothing_without_a_restart(tmp_path: Path, unique: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    log_path = tmp_path / "example.log"
+    monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(log_path))
+    broker = LocalBroker(tmp_path / "kafka")
+    await asyncio.to_thread(broker.start)
+    try:
+        topic, dlq = f"in-{unique}", f"dlq-{unique}"
+        config = kafka_config(broker.bootstrap_servers, tmp_path, unique, {
+            "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 3,
+                      "backoff": {"kind": "fixed", "base": "500ms"}}})
+        rng = random.Random(7)
+        first, second = mixed_payloads(400, rng, 0.1), mixed_payloads(400, rng, 0.1)
+        async with running_bridge(config):
+            produce(config, topic, [(None, p, []) for p in first])
+            await asyncio.sleep(1.0)  # mid-run: some done, retries pending, DLQ records on their way
+            await asyncio.to_thread(broker.stop)
+            await asyncio.sleep(12)
+            await asyncio.to_thread(broker.start)
+            produce(config, topic, [(None, p, []) for p in second])
+            total = len(first) + len(second)
+            result = await asyncio.to_thread(
+                wait_accounted, lambda: account(config, log_path, topic, dlq, total), 120)
+        print(f"\nbroker down 12 s: {result.summary()}")  # type: ignore[attr-defined]
+        assert not result.missing  # type: ignore[attr-defined]
+    finally:
+        await asyncio.to_thread(broker.stop)
+
+
+def test_a_second_bridge_joining_and_leaving_loses_nothing(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    log_path = tmp_path / "example.log"
+    queues = {"mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 3,
+                        "backoff": {"kind": "fixed", "base": "100ms"}}}
+    config_a = kafka_config(kafka.bootstrap_servers, tmp_path / "a", unique, queues)
+    config_b = kafka_config(kafka.bootstrap_servers, tmp_path / "b", unique, queues)
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    ensure_topics(config_a)
+    payloads = mixed_payloads(3000, random.Random(11))
+    env = {"RDQ_EXAMPLE_LOG": str(log_path)}
+    a = BridgeProcess(config_a, tmp_path / "a" / "bridge.yaml", env).start()
+    b = BridgeProcess(config_b, tmp_path / "b" / "bridge.yaml", env)
+    feeder = threading.Thread(target=produce_slowly, args=(config_a, topic, payloads, 200))
+    try:
+        feeder.start()
+        time.sleep(2)
+        b.start()
+        time.sleep(7)
+        assert b.terminate() == 0, b.tail()  # leaves the group: its partitions move back to A
+        assert "assigned [" in b.log.read_text(), "B should have taken partitions while it was in the group"
+        time.sleep(2)
+        b.start()  # its store's pending retries run when it comes back (one store per instance)
+        feeder.join()
+        result = wait_accounted(lambda: account(config_a, log_path, topic, dlq, len(payloads)), within=180)
+    finally:
+        assert a.terminate() == 0, a.tail()
+        b.terminate()
+    print(f"\njoin and leave: {result.summary()}")  # type: ignore[attr-defined]
+    assert not result.missing  # type: ignore[attr-defined]
+    assert example_log(log_path)
