@@ -1,13 +1,24 @@
-"""The `rdq` command line (SPEC §7.6)."""
+"""The `rdq` command line (SPEC §7.6).
+
+    rdq run --config F                      the bridge
+    rdq topics | check-config --config F    create missing topics / validate a config
+    rdq redrive | get | list | purge | pause | resume | set-policy | stats --config F …
+                                            signed commands on the admin topic; every instance answers
+    rdq store stats | list | get --db PATH  read a store file directly, for when Kafka is down
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from bridge.config import ConfigError, load_config
+import yaml
+
+from bridge.config import BridgeConfig, ConfigError, load_config
 from bridge.logs import setup_logging
 from bridge.store import StoreError
 
@@ -35,9 +46,211 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- admin verbs --------------------------------------------------------------------------------------------
+
+
+def _policy_from(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.clear:
+        return None
+    policy: dict[str, Any] = json.loads(args.policy_json) if args.policy_json else {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        node = policy
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)  # numbers, booleans and lists parse; "30s" stays a string
+    if not policy:
+        raise ConfigError("set-policy needs --set key=value (repeatable), --policy-json or --clear")
+    return policy
+
+
+def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
+    verb = args.command
+    if verb == "redrive":
+        picked = {"task_id": args.task, "queue": args.queue, "error_type": args.error_type,
+                  "dead_since": args.since, "dead_until": args.until, "limit": args.limit,
+                  "dry_run": args.dry_run or None}
+        return {k: v for k, v in picked.items() if v is not None}
+    if verb == "get":
+        return {"task_id": args.task_id}
+    if verb == "list":
+        return {k: v for k, v in {"queue": args.queue, "status": args.status, "limit": args.limit}.items() if v}
+    if verb == "purge":
+        picked = {"task_id": args.task, "queue": args.queue, "status": args.status, "before": args.before}
+        return {k: v for k, v in picked.items() if v is not None}
+    if verb in ("pause", "resume"):
+        return {"queue": args.queue}
+    if verb == "set-policy":
+        return {"queue": args.queue, "policy": _policy_from(args)}
+    return {}
+
+
+def _progress(reply: dict[str, Any]) -> None:
+    progress = reply.get("result", {}).get("progress", {})
+    print(f"\r{reply.get('instance')}: {progress.get('done')}/{progress.get('total')}", end="", file=sys.stderr,
+          flush=True)
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from bridge.admin_client import AdminSession
+    from bridge.render import render
+
+    config = load_config(args.config)
+    session = AdminSession(config, args.issued_by, args.key_id)
+    try:
+        if args.command == "redrive" and args.from_dlq:
+            replies = _redrive_from_dlq(session, config, args)
+        else:
+            replies = session.request(args.command, _admin_args(args), args.timeout, args.instances,
+                                      on_partial=None if args.json else _progress).final
+    finally:
+        session.close()
+    if args.json:
+        print(json.dumps(replies, indent=2))
+    else:
+        print(render(args.command, replies))
+    if not replies:
+        return 4
+    return 0 if all(r.get("ok") for r in replies) else 5
+
+
+def _redrive_from_dlq(session: Any, config: BridgeConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Ask every instance; if none holds the task, have one instance re-create it from the envelope."""
+    topic, partition, offset = _dlq_ref(args.from_dlq)
+    base = {"dlq": {"topic": topic, "partition": partition, "offset": offset}, "dry_run": args.dry_run or None}
+    base = {k: v for k, v in base.items() if v is not None}
+    replies: list[dict[str, Any]] = session.request("redrive", base, args.timeout, args.instances).final
+    if any(r.get("ok") and r["result"].get("held") for r in replies) or not replies:
+        return replies
+    if not all(r.get("ok") for r in replies):
+        return replies
+    target = args.instance or sorted(r["instance"] for r in replies)[0]
+    again: list[dict[str, Any]] = session.request("redrive", {**base, "instance": target}, args.timeout,
+                                                  args.instances).final
+    return again
+
+
+def _dlq_ref(text: str) -> tuple[str, int, int]:
+    try:
+        topic, partition, offset = text.rsplit("/", 2)
+        return topic, int(partition), int(offset)
+    except ValueError as e:
+        raise ConfigError(f"--from-dlq wants topic/partition/offset, not {text!r}") from e
+
+
+# ---- rdq store ----------------------------------------------------------------------------------------------
+
+
+def _store_path(args: argparse.Namespace) -> Path:
+    if args.db:
+        return Path(args.db)
+    if args.config:
+        return load_config(args.config).store.path
+    raise ConfigError("give --db PATH or --config F")
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    from bridge.admin import task_summary
+    from bridge.render import STATUSES, table, task_view
+    from bridge.store_reader import StoreReader
+
+    reader = StoreReader(_store_path(args))
+    try:
+        if args.store_command == "stats":
+            counts = reader.counts()
+            data: Any = {"queues": counts}
+            text = table(["QUEUE", *STATUSES], [[q, *(c.get(s, 0) for s in STATUSES)] for q, c in counts.items()])
+        elif args.store_command == "list":
+            tasks = [task_summary(t) for t in reader.list(args.queue, args.status, args.limit)]
+            data = {"tasks": tasks}
+            text = table(["ID", "QUEUE", "STATUS", "ATT", "REDR", "ERROR", "SOURCE"],
+                         [[t["id"], t["queue"], t["status"], t["attempt_count"], t["redrive_count"],
+                           t["error_type"], t["source"]] for t in tasks])
+        else:
+            task = reader.get(args.task_id)
+            if task is None:
+                print(f"no task {args.task_id} in this store", file=sys.stderr)
+                return 4
+            data = {**task.to_json(), "attempts": [a.to_json() for a in task.attempts],
+                    "redrives": reader.redrives(task.id)}
+            text = task_view(data)
+    finally:
+        reader.close()
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+# ---- the parser ---------------------------------------------------------------------------------------------
+
+
+def _admin_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
+    parser.add_argument("--config", required=True, help="the bridge config (kafka and admin sections)")
+    parser.add_argument("--json", action="store_true", help="print the replies as JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to gather replies (default 5)")
+    parser.add_argument("--instances", type=int, default=None, help="stop once this many instances answered")
+    parser.add_argument("--as", dest="issued_by", default=None, help="issued_by (default user@host)")
+    parser.add_argument("--key-id", default=None, help="which admin.auth key signs (default signing_key or first)")
+    parser.set_defaults(fn=_cmd_admin)
+    return parser
+
+
+def _add_admin_verbs(sub: Any) -> None:
+    redrive = _admin_parser(sub, "redrive", "DEAD → PENDING: by task id, by queue with filters, or from a DLQ record")
+    target = redrive.add_mutually_exclusive_group(required=True)
+    target.add_argument("--task", help="a task id")
+    target.add_argument("--queue", help="every DEAD task of a queue matching the filters")
+    target.add_argument("--from-dlq", help="topic/partition/offset of a DLQ record (works after a purge)")
+    redrive.add_argument("--error-type")
+    redrive.add_argument("--since", help="dead since (RFC 3339)")
+    redrive.add_argument("--until", help="dead until (RFC 3339)")
+    redrive.add_argument("--limit", type=int, default=None)
+    redrive.add_argument("--dry-run", action="store_true")
+    redrive.add_argument("--instance", help="with --from-dlq: which instance re-creates a purged task")
+    get = _admin_parser(sub, "get", "a task with its whole attempt history")
+    get.add_argument("task_id")
+    listing = _admin_parser(sub, "list", "tasks of a queue and status")
+    listing.add_argument("--queue")
+    listing.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
+    listing.add_argument("--limit", type=int, default=None)
+    purge = _admin_parser(sub, "purge", "delete finished tasks (never a DEAD one not yet in the DLQ)")
+    target = purge.add_mutually_exclusive_group(required=True)
+    target.add_argument("--task")
+    target.add_argument("--queue")
+    purge.add_argument("--status", choices=["SUCCEEDED", "DEAD"])
+    purge.add_argument("--before", help="finished before (RFC 3339)")
+    for verb, text in (("pause", "stop consuming and scheduling a queue"), ("resume", "undo pause")):
+        _admin_parser(sub, verb, text).add_argument("queue")
+    policy = _admin_parser(sub, "set-policy", "override a queue's retry policy (persisted; queued tasks obey)")
+    policy.add_argument("queue")
+    policy.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. max_attempts=8, backoff.base=2s")
+    policy.add_argument("--policy-json", help='e.g. {"max_attempts": 8}')
+    policy.add_argument("--clear", action="store_true", help="back to the config file's policy")
+    _admin_parser(sub, "stats", "counts by queue and status, from every instance")
+
+
+def _add_store_verbs(sub: Any) -> None:
+    store = sub.add_parser("store", help="read a store file directly (read-only; Kafka not needed)")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    for name in ("stats", "list", "get"):
+        p = store_sub.add_parser(name)
+        p.add_argument("--db", help="the store file")
+        p.add_argument("--config", help="or the config naming it")
+        p.add_argument("--json", action="store_true")
+        if name == "list":
+            p.add_argument("--queue")
+            p.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
+            p.add_argument("--limit", type=int, default=100)
+        if name == "get":
+            p.add_argument("task_id")
+    store.set_defaults(fn=_cmd_store)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rdq", description="rdq-bridge: a Kafka sidecar that never loses failed work")
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(prog="rdq", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING", help="for `rdq run` the default is INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the bridge")
     run.add_argument("--config", required=True)
@@ -48,12 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", required=True)
     check.set_defaults(fn=_cmd_check)
+    _add_admin_verbs(sub)
+    _add_store_verbs(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging("INFO" if args.command == "run" and args.log_level == "WARNING" else args.log_level)
     try:
         return int(args.fn(args))
     except ConfigError as e:
@@ -64,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # the admin client's errors (no reply topic, broker unreachable) read as one line
+        from bridge.admin_client import AdminClientError
+
+        if isinstance(e, AdminClientError):
+            print(f"rdq: {e}", file=sys.stderr)
+            return 4
+        raise
 
 
 if __name__ == "__main__":

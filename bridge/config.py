@@ -209,7 +209,7 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def _describe(error: ValidationError, source: str) -> str:
+def describe_error(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for item in error.errors():
         loc = tuple(p for p in item["loc"] if p not in ("function-after", "function-before"))
@@ -270,4 +270,4 @@ def parse_config(tree: dict[str, Any], source: str = "<config>") -> BridgeConfig
     try:
         return BridgeConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_describe(e, source)) from e
+        raise ConfigError(describe_error(e, source)) from e

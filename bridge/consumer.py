@@ -63,6 +63,7 @@ class SourceConsumer:
         self._assigned: set[TP] = set()
         self._backpressured: set[str] = set()
         self._open_tasks: dict[str, int] = {}
+        self._was_held: set[str] = set()
         self._store_healthy = True
         self.stats = {"records": 0, "suspects": 0}
 
@@ -247,6 +248,10 @@ class SourceConsumer:
         if to_resume:
             await self._call(self._consumer.resume, [TopicPartition(t, p) for t, p in to_resume])
         self._paused = (self._paused | to_pause) - to_resume
+        held = self._held_queues()
+        if self._was_held - held:
+            self._start_all()  # a hold was lifted: records fetched meanwhile may start
+        self._was_held = held
 
     def _note_open_task(self, name: str) -> None:
         """A new open task: count it now, so a burst of failures is held at the limit, not one poll later."""

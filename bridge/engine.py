@@ -55,6 +55,15 @@ class Engine:
                 self.scheduler.wake(task.queue)
         return ok
 
+    async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None) -> list[str]:
+        """Redrive each DEAD task of `ids`; returns those redriven."""
+        now = self.clock.now_ms()
+        done = [i for i in ids if await self.store.redrive(i, now, by, request_id)]
+        if done:
+            for queue in self.config.queue_names():
+                self.scheduler.wake(queue)
+        return done
+
     async def redrive_queue(self, queue: str, error_type: str | None = None, since: int | None = None,
                             until: int | None = None, limit: int = 1000, dry_run: bool = False,
                             by: str | None = None, request_id: str | None = None) -> list[str]:

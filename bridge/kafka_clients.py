@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bridge.config import BridgeConfig
@@ -48,6 +50,12 @@ def make_consumer(config: BridgeConfig, **overrides: Any) -> Consumer:
     return Consumer(consumer_config(config, **overrides))
 
 
+def make_admin_consumer(config: BridgeConfig, instance_id: str) -> Consumer:
+    """Reads the admin topic by assignment: no group is joined, so every instance sees every command."""
+    return Consumer({**_base(config), "group.id": f"rdq-admin-{instance_id}", "enable.auto.commit": False,
+                     "auto.offset.reset": "latest"})
+
+
 def make_admin(config: BridgeConfig) -> AdminClient:
     return AdminClient(_base(config))
 
@@ -84,3 +92,23 @@ def broker_reachable(config: BridgeConfig, timeout: float = 5.0) -> bool:
     except KafkaException:
         return False
     return True
+
+
+def read_record(config: BridgeConfig, topic: str, partition: int, offset: int, timeout: float = 10.0) -> bytes | None:
+    """The value of one record (e.g. a DLQ record to redrive from), or None when there is no such record."""
+    consumer = Consumer({**_base(config), "group.id": f"rdq-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                         "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 64 * 1024 * 1024})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)
+        if not low <= offset < high:
+            return None
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None and msg.offset() == offset:
+                value: bytes | None = msg.value()
+                return value
+        return None
+    finally:
+        consumer.close()

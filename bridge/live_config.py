@@ -12,7 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from bridge.config import BridgeConfig, ConfigError, QueueConfig, load_config
+from pydantic import ValidationError
+
+from bridge.config import BridgeConfig, ConfigError, QueueConfig, describe_error, load_config
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,10 @@ class LiveConfig:
         if base is None:
             raise ConfigError(f"no queue named {queue!r} in the configuration")
         if policy:
-            merged = QueueConfig.model_validate({**base.model_dump(exclude_unset=True), **policy})
+            try:
+                merged = QueueConfig.model_validate({**base.model_dump(exclude_unset=True), **policy})
+            except ValidationError as e:
+                raise ConfigError(describe_error(e, f"policy of queue {queue!r}")) from e
             self._overrides[queue] = policy
         else:
             merged = base

@@ -47,6 +47,16 @@ def rfc3339(ms: int | None) -> str | None:
     return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
+def parse_rfc3339(value: str | None) -> int | None:
+    """`2026-07-20T14:03:22.200Z` → ms since the epoch (the inverse of rfc3339)."""
+    if value is None:
+        return None
+    parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.UTC)
+    return round(parsed.timestamp() * 1000)
+
+
 @dataclass(frozen=True)
 class ErrorInfo:
     type: str
@@ -92,6 +102,17 @@ class Attempt:
             "error_stack": self.error.stack if self.error else None,
             "worker": self.worker, "late_result_of": self.late_result_of,
         }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Attempt:
+        error = data.get("error")
+        return cls(
+            attempt_no=int(data["attempt_no"]), redrive_no=int(data.get("redrive_no", 0)),
+            started_at=parse_rfc3339(data["started_at"]) or 0, finished_at=parse_rfc3339(data["finished_at"]) or 0,
+            outcome=Outcome(data["outcome"]),
+            error=ErrorInfo(error["type"], error.get("message") or "", error.get("stack")) if error else None,
+            worker=data.get("worker"), late_result_of=data.get("late_result_of"),
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -154,6 +175,27 @@ class Task:
             life_started_at=row["life_started_at"], finished_at=row["finished_at"], fetched_at=row["fetched_at"],
             dead_reason=reason, dlq_state=row["dlq_state"], dlq_topic=row["dlq_topic"],
             dlq_partition=row["dlq_partition"], dlq_offset=row["dlq_offset"], attempts=attempts,
+        )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], attempts: tuple[Attempt, ...] = ()) -> Task:
+        """The inverse of to_json: a task as a DLQ envelope carries it."""
+        reason = data.get("dead_reason")
+        dlq = data.get("dlq") or {}
+        return cls(
+            id=data["id"], queue=data["queue"], handler_ref=data["handler_ref"],
+            handler_version=data.get("handler_version"), payload=base64.b64decode(data["payload"]),
+            payload_content_type=data.get("payload_content_type") or "application/octet-stream",
+            headers={str(k): str(v) for k, v in (data.get("headers") or {}).items()},
+            status=Status(data["status"]), attempt_count=int(data["attempt_count"]),
+            redrive_count=int(data.get("redrive_count", 0)), next_attempt_at=parse_rfc3339(data.get("next_attempt_at")),
+            lease_expires_at=None, lease_token=0, lease_owner=None, lease_started_at=None,
+            created_at=parse_rfc3339(data["created_at"]) or 0,
+            life_started_at=parse_rfc3339(data.get("life_started_at") or data["created_at"]) or 0,
+            finished_at=parse_rfc3339(data.get("finished_at")), fetched_at=parse_rfc3339(data.get("fetched_at")),
+            dead_reason=ErrorInfo(reason["type"], reason.get("message") or "") if reason else None,
+            dlq_state=dlq.get("state"), dlq_topic=dlq.get("topic"), dlq_partition=dlq.get("partition"),
+            dlq_offset=dlq.get("offset"), attempts=attempts,
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:

@@ -14,12 +14,21 @@ import os
 import signal
 from pathlib import Path
 
+from bridge.admin import AdminCommands, AdminLoop
 from bridge.config import BridgeConfig
 from bridge.consumer import SourceConsumer
 from bridge.dlq import DlqPublisher
 from bridge.engine import Engine, supervise
 from bridge.first_delivery import FirstDelivery
-from bridge.kafka_clients import broker_reachable, make_admin, make_consumer, make_dlq_producer
+from bridge.kafka_clients import (
+    broker_reachable,
+    make_admin,
+    make_admin_consumer,
+    make_consumer,
+    make_dlq_producer,
+    make_producer,
+    read_record,
+)
 from bridge.live_config import LiveConfig
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
@@ -66,6 +75,12 @@ class Bridge:
                                        lambda: make_consumer(config), grace,
                                        paused_queues=lambda: self.engine.scheduler.paused)
         self.delivery.on_store_health = self.consumer.set_store_health
+        self.admin: AdminLoop | None = None
+        if config.admin is not None:
+            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o))
+            self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
+                                   lambda: make_admin_consumer(config, self.run_id),
+                                   lambda: make_producer(config), self.engine.clock.now_ms)
         self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
                                 lambda: make_admin(config), self.engine.clock, self.engine.dead_event)
 
@@ -75,6 +90,8 @@ class Bridge:
             asyncio.create_task(self.consumer.run(stop), name="rdq-consumer"),
             asyncio.create_task(self.dlq.run(stop), name="rdq-dlq"),
         ]
+        if self.admin is not None:
+            parts.append(asyncio.create_task(self.admin.run(stop), name="rdq-admin"))
         try:
             await supervise(parts, stop)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sqlite3
 from collections.abc import Callable, Sequence
@@ -444,6 +445,65 @@ class Store:
         params = {"id": task.id, "topic": topic, "partition": partition, "offset": offset, "now": now,
                   "redrive_count": task.redrive_count}
         return await self._submit(lambda c: c.execute(q("mark_dlq_published"), params).rowcount == 1)
+
+    # ---- admin (SPEC §7) -------------------------------------------------------------------------------
+
+    async def admin_seen(self, request_id: str, command: str, issued_by: str | None, now: int) -> bool:
+        """Remember a verified request id. False when it was seen before: a replay."""
+        params = {"request_id": request_id, "command": command, "issued_by": issued_by, "now": now}
+        return await self._submit(lambda c: c.execute(q("admin_request_seen"), params).rowcount == 1)
+
+    async def admin_prune(self, before: int) -> None:
+        await self._submit(lambda c: c.execute(q("admin_requests_prune"), {"before": before}))
+
+    async def queue_settings(self) -> dict[str, tuple[dict[str, Any] | None, bool]]:
+        rows = await self._read(lambda c: c.execute(q("queue_settings_all")).fetchall())
+        return {r["queue"]: (json.loads(r["policy"]) if r["policy"] else None, bool(r["paused"])) for r in rows}
+
+    async def set_paused(self, queue: str, paused: bool, by: str | None, now: int) -> None:
+        params = {"queue": queue, "paused": int(paused), "by": by, "now": now}
+        await self._submit(lambda c: c.execute(q("queue_set_paused"), params))
+
+    async def set_policy(self, queue: str, policy: dict[str, Any] | None, by: str | None, now: int) -> None:
+        params = {"queue": queue, "policy": json.dumps(policy) if policy else None, "by": by, "now": now}
+        await self._submit(lambda c: c.execute(q("queue_set_policy"), params))
+
+    async def purge_queue(self, queue: str, status: Status | None = None, before: int | None = None,
+                          limit: int = 10_000) -> int:
+        params = {"queue": queue, "status": status.value if status else None, "before": before, "limit": limit}
+
+        def apply(conn: sqlite3.Connection) -> int:
+            ids = [r[0] for r in conn.execute(q("purge_terminal"), params)]
+            for task_id in ids:
+                conn.execute(q("delete_attempts"), {"id": task_id})
+                conn.execute(q("delete_redrives"), {"id": task_id})
+            return len(ids)
+
+        return await self._submit(apply)
+
+    async def recreate_dead(self, task: Task, topic: str, partition: int, offset: int) -> bool:
+        """Put back a DEAD task from its DLQ envelope, same id and history. False if the store has it."""
+
+        def apply(conn: sqlite3.Connection) -> bool:
+            if conn.execute(q("get_task"), {"id": task.id}).fetchone() is not None:
+                return False
+            reason = task.dead_reason
+            conn.execute(q("insert_task_copy"), {
+                "id": task.id, "queue": task.queue, "handler_ref": task.handler_ref,
+                "handler_version": task.handler_version, "payload": task.payload,
+                "payload_content_type": task.payload_content_type,
+                "headers": json.dumps(task.headers, separators=(",", ":")), "attempt_count": task.attempt_count,
+                "redrive_count": task.redrive_count, "created_at": task.created_at,
+                "finished_at": task.finished_at or task.created_at,
+                "dead_reason_type": reason.type if reason else "rdq.Unknown",
+                "dead_reason_message": reason.message if reason else "", "dlq_topic": topic,
+                "dlq_partition": partition, "dlq_offset": offset,
+            })  # fmt: skip
+            for seq, attempt in enumerate(task.attempts, start=1):
+                conn.execute(q("insert_attempt_copy"), {**attempt.params(task.id), "seq": seq})
+            return True
+
+        return await self._submit(apply)
 
     # ---- first-delivery journal -------------------------------------------------------------------------
 

@@ -205,3 +205,50 @@ DELETE FROM inflight WHERE run_id = :run_id;
 
 -- name: journal_suspects
 SELECT topic, partition, lo, hi FROM inflight WHERE run_id != :run_id;
+
+-- name: admin_request_seen
+INSERT INTO admin_requests (request_id, seen_at, command, issued_by)
+VALUES (:request_id, :now, :command, :issued_by)
+ON CONFLICT (request_id) DO NOTHING;
+
+-- name: admin_requests_prune
+DELETE FROM admin_requests WHERE seen_at < :before;
+
+-- name: queue_settings_all
+SELECT queue, policy, paused, updated_at, updated_by FROM queue_settings;
+
+-- name: queue_set_paused
+INSERT INTO queue_settings (queue, paused, updated_at, updated_by) VALUES (:queue, :paused, :now, :by)
+ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused, updated_at = excluded.updated_at,
+                                  updated_by = excluded.updated_by;
+
+-- name: queue_set_policy
+INSERT INTO queue_settings (queue, policy, updated_at, updated_by) VALUES (:queue, :policy, :now, :by)
+ON CONFLICT (queue) DO UPDATE SET policy = excluded.policy, updated_at = excluded.updated_at,
+                                  updated_by = excluded.updated_by;
+
+-- name: purge_terminal
+-- Operator purge of finished tasks of a queue (a DEAD task whose DLQ record is not yet acknowledged stays).
+DELETE FROM tasks
+ WHERE id IN (SELECT id FROM tasks
+               WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD')
+                 AND (:status IS NULL OR status = :status) AND (:before IS NULL OR finished_at < :before)
+               LIMIT :limit)
+   AND dlq_state IS NOT 'PENDING'
+RETURNING id;
+
+-- name: insert_task_copy
+-- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept.
+INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
+                   attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
+                   dead_reason_type, dead_reason_message, dlq_state, dlq_topic, dlq_partition, dlq_offset,
+                   source_ref)
+VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, 'DEAD',
+        :attempt_count, :redrive_count, NULL, :created_at, :created_at, :finished_at,
+        :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL);
+
+-- name: insert_attempt_copy
+INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
+                      error_type, error_message, error_stack, worker, late_result_of)
+VALUES (:task_id, :seq, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
+        :error_type, :error_message, :error_stack, :worker, :late_result_of);

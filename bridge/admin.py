@@ -1,0 +1,275 @@
+"""The admin loop (SPEC §7): every instance reads all partitions of the admin topic — no consumer group shared
+with the others — runs each verified command against its own store and replies with its instance id.
+
+A malformed, unsigned, badly signed, stale or replayed record is refused with a reply saying why; nothing about
+a record stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from bridge.admin_protocol import (
+    Command,
+    GetArgs,
+    ListArgs,
+    PurgeArgs,
+    QueueArgs,
+    RedriveArgs,
+    Refused,
+    SetPolicyArgs,
+    reply,
+    request_id_of,
+    verify,
+)
+from bridge.config import AdminConfig, ConfigError
+from bridge.dlq import SCHEMA
+from bridge.engine import Engine
+from bridge.model import Attempt, Status, Task, parse_rfc3339
+from bridge.store import StoreError
+
+log = logging.getLogger(__name__)
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
+_PROGRESS_EVERY = 500
+
+
+def task_summary(task: Task) -> dict[str, Any]:
+    data = task.to_json()
+    keep = ("id", "queue", "status", "attempt_count", "redrive_count", "next_attempt_at", "created_at", "finished_at")
+    summary = {k: data[k] for k in keep}
+    summary["error_type"] = task.dead_reason.type if task.dead_reason else None
+    summary["source"] = task.source
+    return summary
+
+
+class AdminCommands:
+    """What each command does to this instance's store and engine."""
+
+    def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None]) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.read_record = read_record  # (topic, partition, offset) → value, for redrive from a DLQ record
+
+    async def load_settings(self) -> None:
+        """Persisted operator settings (pause, set-policy) apply from the start."""
+        for queue, (policy, paused) in (await self.store.queue_settings()).items():
+            if paused:
+                self.engine.scheduler.paused.add(queue)
+            if policy:
+                try:
+                    self.engine.config.set_override(queue, policy)
+                except (ConfigError, ValueError) as e:
+                    log.error("stored policy of queue %s no longer applies: %s", queue, e, extra={"queue": queue})
+
+    async def run(self, cmd: Command, progress: Progress) -> dict[str, Any]:
+        handlers: dict[str, Callable[[Any, Command, Progress], Awaitable[dict[str, Any]]]] = {
+            "redrive": self.redrive, "get": self.get, "list": self.list, "purge": self.purge, "pause": self.pause,
+            "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
+        }  # fmt: skip
+        return await handlers[cmd.command](cmd.args, cmd, progress)
+
+    def _queue(self, name: str) -> str:
+        if self.engine.config.queue(name) is None:
+            raise Refused("InvalidArgs", f"no queue named {name!r} on this instance")
+        return name
+
+    async def redrive(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        by = cmd.issued_by
+        if args.task_id is not None:
+            return await self._redrive_one(args.task_id, by, cmd.request_id, args.dry_run)
+        if args.dlq is not None:
+            return await self._redrive_from_dlq(args, cmd)
+        assert args.queue is not None
+        ids = await self.store.dead_ids(self._queue(args.queue), args.error_type, parse_rfc3339(args.dead_since),
+                                        parse_rfc3339(args.dead_until), args.limit)
+        if args.dry_run:
+            return {"dry_run": True, "matched": ids, "count": len(ids)}
+        done: list[str] = []
+        for start in range(0, len(ids), _PROGRESS_EVERY):
+            chunk = ids[start : start + _PROGRESS_EVERY]
+            done += await self.engine.redrive_many(chunk, by, cmd.request_id)
+            if len(ids) > _PROGRESS_EVERY:
+                await progress({"progress": {"done": start + len(chunk), "total": len(ids)}})
+        return {"dry_run": False, "redriven": done, "count": len(done), "matched": len(ids)}
+
+    async def _redrive_one(self, task_id: str, by: str | None, request_id: str, dry_run: bool) -> dict[str, Any]:
+        task = await self.store.get(task_id)
+        if task is None:
+            return {"held": False, "redriven": [], "count": 0}
+        if task.status != Status.DEAD:
+            return {"held": True, "redriven": [], "count": 0, "status": task.status.value,
+                    "note": "only a DEAD task can be redriven"}
+        if dry_run:
+            return {"held": True, "dry_run": True, "matched": [task_id], "count": 1}
+        ok = await self.engine.redrive(task_id, by, request_id)
+        return {"held": True, "redriven": [task_id] if ok else [], "count": int(ok)}
+
+    async def _redrive_from_dlq(self, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
+        assert args.dlq is not None
+        ref = args.dlq
+        value = await asyncio.to_thread(self.read_record, ref.topic, ref.partition, ref.offset)
+        if value is None:
+            raise Refused("NotFound", f"no record at {ref.topic}/{ref.partition}/{ref.offset}")
+        try:
+            envelope = json.loads(value)
+            if envelope.get("schema") != SCHEMA:
+                raise ValueError(f"schema is {envelope.get('schema')!r}, not {SCHEMA}")
+            attempts = tuple(Attempt.from_json(a) for a in envelope.get("attempts", []))
+            task = Task.from_json(envelope["task"], attempts)
+        except (ValueError, KeyError, TypeError) as e:
+            raise Refused("InvalidArgs", f"not an rdq DLQ envelope: {e}") from e
+        if await self.store.get(task.id) is not None:
+            return {"task_id": task.id, **await self._redrive_one(task.id, cmd.issued_by, cmd.request_id,
+                                                                  args.dry_run)}
+        me = self.engine.instance_id
+        if args.instance != me:
+            # No store here holds it: re-create it only where asked, so two instances never both do.
+            return {"task_id": task.id, "held": False, "redriven": [], "count": 0,
+                    "note": f"not held here; re-created only by the instance named in args.instance ({me} here)"}
+        if args.dry_run:
+            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1}
+        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset)
+        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id)
+        return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
+                "count": int(ok)}
+
+    async def get(self, args: GetArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        task = await self.store.get(args.task_id)
+        if task is None:
+            return {"task": None}
+        if task.status.terminal:
+            await self.store.mark_fetched(task.id, self.engine.clock.now_ms())  # retain_from: fetched
+        return {"task": {**task.to_json(), "attempts": [a.to_json() for a in task.attempts],
+                         "redrives": await self.store.redrives(task.id)}}
+
+    async def list(self, args: ListArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        tasks = await self.store.list_tasks(args.queue, args.status, args.limit)
+        return {"tasks": [task_summary(t) for t in tasks]}
+
+    async def purge(self, args: PurgeArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        if args.task_id is not None:
+            return {"purged": int(await self.store.purge_task(args.task_id))}
+        assert args.queue is not None
+        status = Status(args.status) if args.status else None
+        return {"purged": await self.store.purge_queue(args.queue, status, parse_rfc3339(args.before), args.limit)}
+
+    async def pause(self, args: QueueArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        queue = self._queue(args.queue)
+        await self.store.set_paused(queue, True, cmd.issued_by, self.engine.clock.now_ms())
+        self.engine.scheduler.paused.add(queue)
+        return {"queue": queue, "paused": True}
+
+    async def resume(self, args: QueueArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        queue = self._queue(args.queue)
+        await self.store.set_paused(queue, False, cmd.issued_by, self.engine.clock.now_ms())
+        self.engine.scheduler.paused.discard(queue)
+        self.engine.scheduler.wake(queue)
+        return {"queue": queue, "paused": False}
+
+    async def set_policy(self, args: SetPolicyArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        queue = self._queue(args.queue)
+        forbidden = {"handler", "sources", "dlq_topic"} & set(args.policy or {})
+        if forbidden:
+            raise Refused("InvalidArgs", f"set-policy cannot change {', '.join(sorted(forbidden))}")
+        try:
+            effective = self.engine.config.set_override(queue, args.policy)
+        except (ConfigError, ValueError) as e:
+            raise Refused("InvalidArgs", str(e)) from e
+        await self.store.set_policy(queue, args.policy, cmd.issued_by, self.engine.clock.now_ms())
+        self.engine.scheduler.wake(queue)  # queued tasks obey it from their next claim
+        return {"queue": queue, "policy": effective.model_dump(mode="json")}
+
+    async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
+        return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),
+                "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names()}
+
+
+class AdminLoop:
+    def __init__(self, admin: AdminConfig, commands: AdminCommands, instance_id: str,
+                 consumer_factory: Callable[[], Consumer], producer_factory: Callable[[], Producer],
+                 now_ms: Callable[[], int]) -> None:
+        self.admin = admin
+        self.commands = commands
+        self.instance_id = instance_id
+        self._consumer_factory = consumer_factory
+        self._producer_factory = producer_factory
+        self._now_ms = now_ms
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-admin")
+        self._producer: Producer | None = None
+        self.handled = 0
+        self.refused = 0
+
+    @property
+    def window_ms(self) -> int:
+        return 300_000 if self.admin.auth == "none" else int(self.admin.auth.max_skew * 1000)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.commands.load_settings()
+        consumer: Consumer = await self._call(self._consumer_factory)
+        self._producer = self._producer_factory()
+        try:
+            await self._call(self._assign_all, consumer)
+            while not stop.is_set():
+                for msg in await self._call(consumer.consume, 100, 0.2):
+                    if msg.error() is None:
+                        await self.handle(msg.value(), list(msg.headers() or []))
+                await asyncio.to_thread(self._producer.poll, 0)
+        finally:
+            with contextlib.suppress(KafkaException):
+                await asyncio.to_thread(self._producer.flush, 5.0)
+            await self._call(consumer.close)
+            self._thread.shutdown(wait=False)
+
+    def _assign_all(self, consumer: Consumer) -> None:
+        """Every partition, from the records of the last staleness window: commands issued while this instance
+        restarted still run (replays are refused by request id)."""
+        topic = self.admin.topic
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        since = self._now_ms() - self.window_ms
+        wanted = [TopicPartition(topic, p, since) for p in partitions]
+        offsets = consumer.offsets_for_times(wanted, timeout=30)
+        consumer.assign([TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else -1) for o in offsets])
+
+    async def handle(self, value: bytes | None, headers: list[tuple[str, bytes | None]]) -> None:
+        """One admin record → its replies. Never raises: a bad record is refused, the loop goes on."""
+        request_id = request_id_of(value)
+        try:
+            cmd = verify(value, headers, self.admin.auth, self._now_ms())
+            if not await self.commands.store.admin_seen(cmd.request_id, cmd.command, cmd.issued_by, self._now_ms()):
+                raise Refused("Replayed", f"request_id {cmd.request_id!r} was already received")
+            log.info("admin %s by %s (%s)", cmd.command, cmd.issued_by, cmd.request_id)
+            result = await self.commands.run(cmd, functools.partial(self._send, cmd.request_id, partial=True))
+            await self._send(cmd.request_id, result)
+            self.handled += 1
+        except Refused as e:
+            self.refused += 1
+            log.warning("admin record refused: %s: %s", e.type, e.message)
+            await self._send(request_id, error=e)
+        except StoreError as e:
+            await self._send(request_id, error=Refused("StoreUnavailable", str(e)))
+        except Exception as e:  # a bug must not stop the admin loop; the operator is told
+            log.exception("admin command failed")
+            await self._send(request_id, error=Refused("Internal", f"{type(e).__name__}: {e}"))
+        if self.handled % 100 == 0:
+            with contextlib.suppress(StoreError):
+                await self.commands.store.admin_prune(self._now_ms() - 2 * self.window_ms)
+
+    async def _send(self, request_id: str | None, result: dict[str, Any] | None = None,
+                    error: Refused | None = None, partial: bool = False) -> None:
+        assert self._producer is not None
+        body = reply(request_id, self.instance_id, result, error, partial)
+        key = request_id.encode() if request_id else None
+        self._producer.produce(self.admin.reply_topic, value=body, key=key)
+        await asyncio.to_thread(self._producer.flush, 10.0)

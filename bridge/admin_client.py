@@ -1,0 +1,98 @@
+"""The client side of the admin topic: send a signed command, gather every instance's replies."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from bridge.admin_protocol import encode_command
+from bridge.config import BridgeConfig
+
+
+class AdminClientError(RuntimeError):
+    pass
+
+
+def default_issuer() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@dataclass
+class Replies:
+    request_id: str
+    final: list[dict[str, Any]] = field(default_factory=list)
+    partial: list[dict[str, Any]] = field(default_factory=list)
+
+    def by_instance(self) -> dict[str, dict[str, Any]]:
+        return {r.get("instance", "?"): r for r in self.final}
+
+
+class AdminSession:
+    def __init__(self, config: BridgeConfig, issued_by: str | None = None, key_id: str | None = None) -> None:
+        if config.admin is None:
+            raise AdminClientError("the configuration has no `admin` section (topic, reply_topic, auth)")
+        self.config = config
+        self.admin = config.admin
+        self.issued_by = issued_by or default_issuer()
+        self.key_id = key_id
+        base = {"bootstrap.servers": config.kafka.bootstrap_servers, **config.kafka.client}
+        self._producer = Producer({**base, "acks": "all"})
+        self._consumer = Consumer({**base, "group.id": f"rdq-cli-{uuid.uuid4().hex}", "enable.auto.commit": False})
+        self._listening = False
+
+    def _listen(self) -> None:
+        """Assign every reply partition at its end before sending: no reply can be missed."""
+        if self._listening:
+            return
+        topic = self.admin.reply_topic
+        metadata = self._consumer.list_topics(topic, timeout=15).topics.get(topic)
+        if metadata is None or metadata.error is not None:
+            raise AdminClientError(f"reply topic {topic!r} is not available: {metadata.error if metadata else ''}")
+        assignment = []
+        for partition in metadata.partitions:
+            _, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=15)
+            assignment.append(TopicPartition(topic, partition, high))
+        self._consumer.assign(assignment)
+        self._listening = True
+
+    def request(self, command: str, args: dict[str, Any], timeout: float = 5.0, instances: int | None = None,
+                on_partial: Callable[[dict[str, Any]], None] | None = None) -> Replies:
+        self._listen()
+        if self.key_id is not None and self.admin.auth != "none" and self.key_id not in self.admin.auth.keys:
+            raise AdminClientError(f"no key {self.key_id!r} in admin.auth.keys")
+        request_id, value, headers = encode_command(command, args, self.issued_by, self.admin.auth,
+                                                    key_id=self.key_id)
+        self._producer.produce(self.admin.topic, value=value, key=request_id.encode(), headers=cast(Any, headers))
+        if self._producer.flush(15) != 0:
+            raise AdminClientError(f"could not send the command to {self.admin.topic!r}")
+        replies = Replies(request_id)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (instances is None or len(replies.final) < instances):
+            for msg in self._consumer.consume(100, 0.2):
+                if msg.error() is not None or msg.key() != request_id.encode():
+                    continue
+                body = json.loads(msg.value() or b"{}")
+                if body.get("partial"):
+                    replies.partial.append(body)
+                    if on_partial:
+                        on_partial(body)
+                    deadline = max(deadline, time.monotonic() + timeout)  # progress keeps it alive
+                else:
+                    replies.final.append(body)
+        return replies
+
+    def close(self) -> None:
+        self._consumer.close()
+        self._producer.flush(5)

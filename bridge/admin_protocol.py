@@ -1,0 +1,236 @@
+"""The admin wire format (SPEC §7.4) and its security (§7.5): any Kafka client can speak it.
+
+Command record value: UTF-8 JSON {"request_id", "command", "args", "issued_at" (RFC 3339 UTC), "issued_by"}.
+Headers: `rdq.key_id` (which key) and `rdq.signature` = lowercase hex HMAC-SHA256(key, the exact value bytes).
+Reply record (reply topic, key = request_id): {"request_id", "instance", "ok": true, "result": {...}} or
+{"request_id", "instance", "ok": false, "error": {"type", "message"}}. Long operations may first send
+progress replies: {"request_id", "instance", "ok": true, "partial": true, "result": {"progress": {...}}}.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from bridge.config import AdminAuth
+from bridge.model import Status, parse_rfc3339
+
+KEY_ID = "rdq.key_id"
+SIGNATURE = "rdq.signature"
+COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats")
+
+
+class Refused(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.type = f"rdq.admin.{kind}"
+        self.message = message
+
+
+# ---- command arguments (validated; unknown fields refused) ----------------------------------------------
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DlqRef(_Args):
+    topic: str = Field(min_length=1)
+    partition: int = Field(ge=0)
+    offset: int = Field(ge=0)
+
+
+class RedriveArgs(_Args):
+    task_id: str | None = None
+    queue: str | None = None
+    dlq: DlqRef | None = None
+    error_type: str | None = None
+    dead_since: str | None = None
+    dead_until: str | None = None
+    limit: int = Field(default=100, ge=1, le=100_000)
+    dry_run: bool = False
+    instance: str | None = None  # for `dlq`: which instance re-creates a task no store holds
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RedriveArgs:
+        targets = [t for t in (self.task_id, self.queue, self.dlq) if t is not None]
+        if len(targets) != 1:
+            raise ValueError("give exactly one of task_id, queue, dlq")
+        for name in ("dead_since", "dead_until"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_rfc3339(value)
+                except ValueError as e:
+                    raise ValueError(f"{name} is not an RFC 3339 time: {value!r}") from e
+        return self
+
+
+class GetArgs(_Args):
+    task_id: str = Field(min_length=1)
+
+
+class ListArgs(_Args):
+    queue: str | None = None
+    status: Status | None = None
+    limit: int = Field(default=50, ge=1, le=1000)
+
+
+class PurgeArgs(_Args):
+    task_id: str | None = None
+    queue: str | None = None
+    status: Literal["SUCCEEDED", "DEAD"] | None = None
+    before: str | None = None
+    limit: int = Field(default=10_000, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> PurgeArgs:
+        if (self.task_id is None) == (self.queue is None):
+            raise ValueError("give exactly one of task_id, queue")
+        return self
+
+
+class QueueArgs(_Args):
+    queue: str = Field(min_length=1)
+
+
+class SetPolicyArgs(_Args):
+    queue: str = Field(min_length=1)
+    # Fields of the queue config to override (max_attempts, backoff, lease, errors, …); null or {} clears.
+    policy: dict[str, Any] | None = None
+
+
+class StatsArgs(_Args):
+    pass
+
+
+ARGS: dict[str, type[_Args]] = {
+    "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
+    "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Command:
+    request_id: str
+    command: str
+    args: _Args
+    issued_at: int
+    issued_by: str | None
+
+
+# ---- signing and verifying ------------------------------------------------------------------------------
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+def sign(key: str, value: bytes) -> str:
+    return hmac.new(key.encode("utf-8"), value, hashlib.sha256).hexdigest()
+
+
+def encode_command(command: str, args: dict[str, Any], issued_by: str, auth: AdminAuth | Literal["none"],
+                   request_id: str | None = None, key_id: str | None = None,
+                   issued_at: str | None = None) -> tuple[str, bytes, list[tuple[str, bytes]]]:
+    """(request_id, value, headers) of a signed command record."""
+    request_id = request_id or str(uuid.uuid4())
+    value = json.dumps({"request_id": request_id, "command": command, "args": args,
+                        "issued_at": issued_at or now_rfc3339(), "issued_by": issued_by},
+                       separators=(",", ":")).encode("utf-8")
+    headers: list[tuple[str, bytes]] = []
+    if auth != "none":
+        key_id = key_id or auth.signing_key or next(iter(auth.keys))
+        headers = [(KEY_ID, key_id.encode()), (SIGNATURE, sign(auth.keys[key_id], value).encode())]
+    return request_id, value, headers
+
+
+def _header(headers: list[tuple[str, bytes | None]], name: str) -> str | None:
+    for key, value in headers:
+        if key == name and value is not None:
+            try:
+                return value.decode("ascii")
+            except UnicodeDecodeError:
+                return None
+    return None
+
+
+def request_id_of(value: bytes | None) -> str | None:
+    """The request id of a record, if one can be read at all (for replying to what is refused)."""
+    try:
+        data = json.loads(value or b"")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    rid = data.get("request_id") if isinstance(data, dict) else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= 200 else None
+
+
+def verify(value: bytes | None, headers: list[tuple[str, bytes | None]], auth: AdminAuth | Literal["none"],
+           now_ms: int) -> Command:
+    """Parse and authenticate a command record, or raise Refused saying why. Replays are checked by the caller."""
+    if not value:
+        raise Refused("Malformed", "empty command record")
+    if auth != "none":
+        key_id, signature = _header(headers, KEY_ID), _header(headers, SIGNATURE)
+        if not key_id or not signature:
+            raise Refused("Unsigned", f"missing {KEY_ID} or {SIGNATURE} header")
+        key = auth.keys.get(key_id)
+        if key is None:
+            raise Refused("UnknownKey", f"no key {key_id!r} is configured")
+        if not hmac.compare_digest(sign(key, value), signature.lower()):
+            raise Refused("BadSignature", f"signature does not match the value for key {key_id!r}")
+    try:
+        data = json.loads(value)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused("Malformed", f"value is not UTF-8 JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise Refused("Malformed", "value must be a JSON object")
+    request_id, name = data.get("request_id"), data.get("command")
+    if not isinstance(request_id, str) or not request_id or len(request_id) > 200:
+        raise Refused("Malformed", "request_id must be a non-empty string")
+    if not isinstance(name, str):
+        raise Refused("Malformed", "command must be a string")
+    if name not in ARGS:
+        raise Refused("UnknownCommand", f"unknown command {name!r}; known: {', '.join(COMMANDS)}")
+    issued_at = _issued_at(data.get("issued_at"))
+    window = 300_000 if auth == "none" else int(auth.max_skew * 1000)
+    if abs(now_ms - issued_at) > window:
+        raise Refused("Stale", f"issued_at is {abs(now_ms - issued_at) / 1000:.0f}s from now (window "
+                               f"{window / 1000:.0f}s)")
+    try:
+        args = ARGS[name].model_validate(data.get("args") or {})
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'args'}: {x['msg']}" for x in e.errors())
+        raise Refused("InvalidArgs", problems) from e
+    issued_by = data.get("issued_by")
+    return Command(request_id, name, args, issued_at, issued_by if isinstance(issued_by, str) else None)
+
+
+def _issued_at(value: Any) -> int:
+    if not isinstance(value, str):
+        raise Refused("Malformed", "issued_at must be an RFC 3339 UTC time")
+    try:
+        parsed = parse_rfc3339(value)
+    except ValueError as e:
+        raise Refused("Malformed", f"issued_at is not an RFC 3339 time: {value!r}") from e
+    assert parsed is not None
+    return parsed
+
+
+def reply(request_id: str | None, instance: str, result: dict[str, Any] | None = None,
+          error: Refused | None = None, partial: bool = False) -> bytes:
+    body: dict[str, Any] = {"request_id": request_id, "instance": instance, "ok": error is None}
+    if error is not None:
+        body["error"] = {"type": error.type, "message": error.message}
+    else:
+        body["result"] = result or {}
+        if partial:
+            body["partial"] = True
+    return json.dumps(body, separators=(",", ":"), default=str).encode("utf-8")

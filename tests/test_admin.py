@@ -1,0 +1,395 @@
+"""The admin topic and the rdq CLI on a real broker (SPEC §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from confluent_kafka import Consumer, Producer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.admin_client import AdminSession
+from bridge.admin_protocol import encode_command, sign
+from bridge.config import BridgeConfig
+from bridge.handler_api import HandlerContext
+from bridge.registry import Registry
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import aread_dlq, kafka_config, produce, running_bridge, wait_until
+
+pytestmark = pytest.mark.kafka
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = {"k1": "first-secret", "k2": "rotated-secret"}
+
+
+def admin_config(env: KafkaEnv, tmp_path: Path, unique: str, queues: dict[str, Any], **extra: Any) -> BridgeConfig:
+    return kafka_config(env.bootstrap_servers, tmp_path, unique, queues,
+                        admin={"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}",
+                               "auth": {"keys": KEYS, "signing_key": "k2"}}, **extra)
+
+
+async def ask(config: BridgeConfig, command: str, args: dict[str, Any], instances: int = 1,
+              within: float = 15.0) -> list[dict[str, Any]]:
+    def run() -> list[dict[str, Any]]:
+        session = AdminSession(config, issued_by="sre@test")
+        try:
+            return session.request(command, args, timeout=within, instances=instances).final
+        finally:
+            session.close()
+
+    return await asyncio.to_thread(run)
+
+
+async def one(config: BridgeConfig, command: str, args: dict[str, Any]) -> dict[str, Any]:
+    [reply] = await ask(config, command, args)
+    assert reply["ok"], reply
+    return reply["result"]  # type: ignore[no-any-return]
+
+
+class Switch:
+    """A handler that fails until fixed: the incident, then the fix, then the redrive."""
+
+    def __init__(self) -> None:
+        self.fixed = False
+        self.calls: list[tuple[str, int, int, str]] = []
+
+    def __call__(self, ctx: HandlerContext) -> None:
+        self.calls.append((ctx.task_id, ctx.redrive_count, ctx.attempt, ctx.headers.get("traceparent", "")))
+        if not self.fixed:
+            raise ConnectionError("downstream is down")
+
+
+def switch_registry() -> tuple[Registry, Switch]:
+    registry, switch = Registry(), Switch()
+    registry.register("switch", switch)
+    registry.register("permanent", lambda ctx: (_ for _ in ()).throw(ValueError("bad record")))
+    return registry, switch
+
+
+QUEUE = {"handler": "switch", "max_attempts": 2, "backoff": {"kind": "fixed", "base": "10ms"}}
+
+
+async def dead_task(bridge: Any, config: BridgeConfig, topic: str, n: int = 1) -> list[str]:
+    produce(config, topic, [(f"k{i}".encode(), b"{}", [("traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01".encode())])
+                            for i in range(n)])
+
+    async def all_dead() -> bool:
+        counts = await bridge.store.counts()
+        return counts.get("q", {}).get("DEAD", 0) >= n
+
+    await wait_until(all_dead, what=f"{n} DEAD tasks")
+    return [t.id for t in await bridge.store.list_tasks("q")]
+
+
+async def test_redrive_by_id_with_pause_and_resume(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    registry, switch = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}})
+    async with running_bridge(config, registry) as bridge:
+        [task_id] = await dead_task(bridge, config, f"in-{unique}")
+        assert await one(config, "pause", {"queue": "q"}) == {"queue": "q", "paused": True}
+        switch.fixed = True
+        result = await one(config, "redrive", {"task_id": task_id})
+        assert result["redriven"] == [task_id]
+        task = (await one(config, "get", {"task_id": task_id}))["task"]
+        assert task["status"] == "PENDING" and task["attempt_count"] == 0 and task["redrive_count"] == 1
+        assert [a["outcome"] for a in task["attempts"]] == ["RETRYABLE_FAILURE"] * 2  # history kept
+        assert task["redrives"][0]["by"] == "sre@test" and task["redrives"][0]["request_id"]
+        await asyncio.sleep(1.0)
+        assert (await bridge.store.get(task_id)).status == "PENDING"  # type: ignore[union-attr]  # paused
+        assert await one(config, "resume", {"queue": "q"}) == {"queue": "q", "paused": False}
+        await wait_until(lambda: bridge.store.get(task_id), what="task")
+
+        async def succeeded() -> bool:
+            t = await bridge.store.get(task_id)
+            return t is not None and t.status == "SUCCEEDED"
+
+        await wait_until(succeeded, what="the redriven task to succeed")
+    task_id_seen, redrives, attempt, traceparent = switch.calls[-1]
+    assert (task_id_seen, redrives, attempt) == (task_id, 1, 1)
+    assert traceparent == f"00-{'ab' * 16}-{'cd' * 8}-01"  # the same trace across the redrive
+
+
+async def test_filtered_redrive_with_and_without_dry_run(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    registry, switch = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}})
+    async with running_bridge(config, registry) as bridge:
+        ids = await dead_task(bridge, config, f"in-{unique}", 3)
+        dry = await one(config, "redrive", {"queue": "q", "error_type": "ConnectionError", "dry_run": True})
+        assert sorted(dry["matched"]) == sorted(ids) and dry["dry_run"]
+        assert (await bridge.store.counts())["q"]["DEAD"] == 3
+        none = await one(config, "redrive", {"queue": "q", "error_type": "rdq.Timeout"})
+        assert none["count"] == 0
+        switch.fixed = True
+        done = await one(config, "redrive", {"queue": "q", "error_type": "ConnectionError", "limit": 2,
+                                             "dead_since": "2020-01-01T00:00:00Z"})
+        assert done["count"] == 2
+
+        async def two_succeeded() -> bool:
+            return (await bridge.store.counts())["q"]["SUCCEEDED"] == 2
+
+        await wait_until(two_succeeded, what="two redriven tasks to succeed")
+
+
+async def test_redrive_from_a_dlq_record_after_the_store_purged_it(kafka: KafkaEnv, tmp_path: Path,
+                                                                  unique: str) -> None:
+    registry, switch = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                          "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config, registry) as bridge:
+        [task_id] = await dead_task(bridge, config, f"in-{unique}")
+        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+        await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
+        assert (await one(config, "purge", {"task_id": task_id}))["purged"] == 1
+        assert await bridge.store.get(task_id) is None
+        switch.fixed = True
+        ref = f"dlq-{unique}/{record.partition}/{record.offset}"
+        proc = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "bridge.cli", "redrive", "--config", str(write(config, tmp_path)),
+            "--from-dlq", ref, "--instances", "1", "--json"], capture_output=True, text=True, cwd=ROOT, timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        [reply] = json.loads(proc.stdout)
+        assert reply["result"]["recreated"] and reply["result"]["redriven"] == [task_id]
+
+        async def succeeded() -> bool:
+            t = await bridge.store.get(task_id)
+            return t is not None and t.status == "SUCCEEDED"
+
+        await wait_until(succeeded, what="the re-created task to succeed")
+        task = await bridge.store.get(task_id)
+        assert task is not None and task.redrive_count == 1 and len(task.attempts) == 3  # 2 from the envelope
+
+
+def write(config: BridgeConfig, tmp_path: Path) -> Path:
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    return path
+
+
+async def test_two_instances_both_answer_stats(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    registry, _ = switch_registry()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    queues = {"q": {**QUEUE, "sources": [f"in-{unique}"]}}
+    config_a = admin_config(kafka, tmp_path / "a", unique, queues)
+    config_b = admin_config(kafka, tmp_path / "b", unique, queues)
+    async with running_bridge(config_a, registry, instance_id="bridge-a"), \
+            running_bridge(config_b, registry, instance_id="bridge-b"):
+        replies = await ask(config_a, "stats", {}, instances=2)
+    assert sorted(r["instance"] for r in replies) == ["bridge-a", "bridge-b"]
+    assert all(r["ok"] and r["result"]["configured"] == ["q"] for r in replies)
+
+
+async def test_set_policy_changes_what_queued_tasks_do(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    registry, switch = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "max_attempts": 50, "sources": [f"in-{unique}"],
+                                                          "backoff": {"kind": "fixed", "base": "2s"}}})
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", [(b"k", b"{}", [])])
+        await wait_until(lambda: bridge.store.counts(), what="a task")
+        policy = {"max_attempts": 2, "backoff": {"kind": "fixed", "base": "10ms"}}
+        result = await one(config, "set-policy", {"queue": "q", "policy": policy})
+        assert result["policy"]["max_attempts"] == 2
+
+        async def dead() -> bool:
+            return (await bridge.store.counts()).get("q", {}).get("DEAD", 0) == 1
+
+        await wait_until(dead, what="the queued task to obey the new policy")
+        bad = await ask(config, "set-policy", {"queue": "q", "policy": {"max_attempts": 0}})
+        assert not bad[0]["ok"] and bad[0]["error"]["type"] == "rdq.admin.InvalidArgs"
+        settings_ = await bridge.store.queue_settings()
+        assert settings_["q"][0] == {"max_attempts": 2, "backoff": {"kind": "fixed", "base": "10ms"}}  # persisted
+    assert len(switch.calls) == 2  # first delivery, then attempt 2 was the last under the new policy
+
+
+class RawAdmin:
+    """Sends raw admin records (as kcat would) and reads every reply."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        assert config.admin is not None
+        self.config, self.admin = config, config.admin
+        self.producer = Producer({"bootstrap.servers": config.kafka.bootstrap_servers})
+
+    def send(self, value: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
+        self.producer.produce(self.admin.topic, value=value, headers=headers or [])
+        assert self.producer.flush(15) == 0
+
+    def signed(self, command: str, args: dict[str, Any], **kw: Any) -> str:
+        request_id, value, headers = encode_command(command, args, "raw@test", self.admin.auth, **kw)
+        self.send(value, headers)
+        return request_id
+
+    def replies(self, expect: int, within: float = 30.0) -> list[dict[str, Any]]:
+        consumer = Consumer({"bootstrap.servers": self.config.kafka.bootstrap_servers,
+                             "group.id": f"r-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"})
+        consumer.subscribe([self.admin.reply_topic])
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + within
+        while len(out) < expect and time.monotonic() < deadline:
+            out += [json.loads(m.value()) for m in consumer.consume(100, 0.5) if m.error() is None]
+        consumer.close()
+        return out
+
+
+async def test_forged_and_broken_commands_are_refused_with_a_reason(kafka: KafkaEnv, tmp_path: Path,
+                                                                    unique: str) -> None:
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}},
+                          kafka={"topic_partitions": 1})
+    raw = RawAdmin(config)
+    async with running_bridge(config, registry) as bridge:
+        def send_all() -> dict[str, str]:
+            ids = {"ok-before": raw.signed("stats", {})}
+            _, value, _ = encode_command("stats", {}, "x", "none", request_id="unsigned")
+            raw.send(value)
+            auth = config.admin.auth  # type: ignore[union-attr]
+            _, value, headers = encode_command("stats", {}, "x", auth, request_id="bad-sig")
+            raw.send(value + b" ", headers)  # the signature no longer matches the bytes
+            _, value, _ = encode_command("stats", {}, "x", "none", request_id="unknown-key")
+            raw.send(value, [("rdq.key_id", b"k9"), ("rdq.signature", sign("guess", value).encode())])
+            ids["stale"] = raw.signed("stats", {}, request_id="stale", issued_at="2020-01-01T00:00:00.000Z")
+            ids["replayed"] = raw.signed("stats", {}, request_id="replayed")
+            _, value, headers = encode_command("stats", {}, "x", auth, request_id="replayed")
+            raw.send(value, headers)
+            junk = b"\xff\xfe not json"
+            raw.send(junk, [("rdq.key_id", b"k1"), ("rdq.signature", sign(KEYS["k1"], junk).encode())])
+            raw.signed("drop-tables", {}, request_id="unknown-command")
+            raw.signed("get", {"nope": 1}, request_id="bad-args")
+            raw.signed("stats", {}, request_id="old-key", key_id="k1")  # rotation: both keys verify
+            ids["ok-after"] = raw.signed("stats", {})
+            return ids
+
+        ids = await asyncio.to_thread(send_all)
+        replies = await asyncio.to_thread(raw.replies, 12)
+        assert bridge.admin is not None
+    by_id: dict[Any, list[dict[str, Any]]] = {}
+    for r in replies:
+        by_id.setdefault(r["request_id"], []).append(r)
+    kinds = {rid: [r["error"]["type"] if not r["ok"] else "ok" for r in rs] for rid, rs in by_id.items()}
+    assert kinds[ids["ok-before"]] == ["ok"] and kinds[ids["ok-after"]] == ["ok"]
+    assert kinds["unsigned"] == ["rdq.admin.Unsigned"]
+    assert kinds["bad-sig"] == ["rdq.admin.BadSignature"]
+    assert kinds["unknown-key"] == ["rdq.admin.UnknownKey"]
+    assert kinds["stale"] == ["rdq.admin.Stale"]
+    assert kinds["replayed"] == ["ok", "rdq.admin.Replayed"]
+    assert kinds[None] == ["rdq.admin.Malformed"]
+    assert kinds["unknown-command"] == ["rdq.admin.UnknownCommand"]
+    assert kinds["bad-args"] == ["rdq.admin.InvalidArgs"]
+    assert kinds["old-key"] == ["ok"]
+    for rs in by_id.values():
+        for r in rs:
+            assert r["instance"] == "test-bridge" and (r["ok"] or r["error"]["message"])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(garbage=st.lists(st.tuples(st.binary(max_size=300), st.lists(st.tuples(
+    st.sampled_from(["rdq.key_id", "rdq.signature", "x"]), st.binary(max_size=80)), max_size=3)), min_size=1,
+    max_size=8))
+def test_garbage_never_stops_the_admin_loop(garbage: list[tuple[bytes, list[tuple[str, bytes]]]],
+                                            garbage_admin: Any) -> None:
+    """Hypothesis-generated records straight into the loop's handler: each gets a refusal, none raises, and a
+    valid command after them still runs."""
+    loop, admin, sent = garbage_admin
+    for value, headers in garbage:
+        loop.run_until_complete(admin.handle(value, headers))
+    _, value, headers = encode_command("stats", {}, "x", admin.admin.auth)
+    before = admin.handled
+    loop.run_until_complete(admin.handle(value, headers))
+    assert admin.handled == before + 1
+    assert all(not json.loads(v)["ok"] for v in sent[-(len(garbage) + 1):-1])
+
+
+@pytest.fixture(scope="module")
+def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An AdminLoop with a real store; replies captured instead of produced (the loop's logic, not Kafka)."""
+    from bridge.admin import AdminCommands, AdminLoop
+    from bridge.engine import Engine
+    from bridge.live_config import LiveConfig
+    from bridge.store import Store
+    from tests.helpers import engine_config
+
+    tmp = tmp_path_factory.mktemp("garbage")
+    loop = asyncio.new_event_loop()
+    config = engine_config(str(tmp / "rdq.db"))
+    config = config.model_copy(update={"admin": admin_config_model()})
+    store = loop.run_until_complete(Store.open(config.store.path))
+    engine = Engine(store, LiveConfig(config), Registry(), instance_id="g")
+    admin = AdminLoop(config.admin, AdminCommands(engine, lambda t, p, o: None), "g",  # type: ignore[arg-type]
+                      lambda: None, lambda: None, engine.clock.now_ms)  # type: ignore[arg-type,return-value]
+    sent: list[bytes] = []
+
+    async def capture(request_id: Any, result: Any = None, error: Any = None, partial: bool = False) -> None:
+        from bridge.admin_protocol import reply
+        sent.append(reply(request_id, "g", result, error, partial))
+
+    admin._send = capture  # type: ignore[method-assign]
+    yield loop, admin, sent
+    engine.close()
+    loop.run_until_complete(store.close())
+    loop.close()
+
+
+def admin_config_model() -> Any:
+    from bridge.config import AdminConfig
+
+    return AdminConfig.model_validate({"topic": "a", "reply_topic": "r", "auth": {"keys": KEYS}})
+
+
+async def test_rdq_store_reads_a_store_file_without_kafka(tmp_path: Path) -> None:
+    from bridge.model import ErrorInfo
+    from bridge.store import Store
+    from tests.helpers import failure
+
+    store = await Store.open(tmp_path / "rdq.db")
+    dead = failure(dead=ErrorInfo("rdq.Unroutable", "no handler"))
+    await store.submit(dead)
+    await store.submit(failure())
+    out = {}
+    for args in (["stats"], ["list", "--status", "DEAD"], ["get", dead.id]):
+        proc = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "bridge.cli", "store", args[0],
+                                                        "--db", str(tmp_path / "rdq.db"), *args[1:]],
+                                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        out[args[0]] = proc.stdout
+    await store.close()
+    assert "PENDING" in out["stats"] and "q" in out["stats"]
+    assert dead.id in out["list"] and "rdq.Unroutable" in out["list"]
+    assert f"task {dead.id}" in out["get"] and "RETRYABLE_FAILURE" not in out["get"]
+    assert "PERMANENT_FAILURE" in out["get"]
+
+
+async def test_long_redrives_report_progress(tmp_path: Path) -> None:
+    from bridge.admin import AdminCommands
+    from bridge.admin_protocol import Command, RedriveArgs
+    from bridge.engine import Engine
+    from bridge.live_config import LiveConfig
+    from bridge.model import ErrorInfo
+    from bridge.store import Store
+    from tests.helpers import engine_config, failure
+
+    config = engine_config(str(tmp_path / "rdq.db"))
+    store = await Store.open(config.store.path)
+    engine = Engine(store, LiveConfig(config), Registry(), instance_id="p")
+    try:
+        await asyncio.gather(*(store.submit(failure(dead=ErrorInfo("rdq.Unroutable", "x"))) for _ in range(1200)))
+        progress: list[dict[str, Any]] = []
+
+        async def report(update: dict[str, Any]) -> None:
+            progress.append(update["progress"])
+
+        cmd = Command("r-1", "redrive", RedriveArgs(queue="q", limit=5000), 0, "sre")
+        result = await AdminCommands(engine, lambda t, p, o: None).run(cmd, report)
+        assert result["count"] == 1200 and result["matched"] == 1200
+        assert progress == [{"done": 500, "total": 1200}, {"done": 1000, "total": 1200},
+                            {"done": 1200, "total": 1200}]
+        assert (await store.counts())["q"]["PENDING"] == 1200
+    finally:
+        engine.close()
+        await store.close()
