@@ -86,6 +86,10 @@ class SourceConsumer:
             self._start_ready(tp)
 
     @property
+    def store_healthy(self) -> bool:
+        return self._store_healthy
+
+    @property
     def assignment(self) -> set[TP]:
         return set(self._assigned)
 

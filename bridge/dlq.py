@@ -27,6 +27,7 @@ from bridge.config import BridgeConfig
 from bridge.model import Task
 from bridge.records import SOURCE, TRACEPARENT, TRACESTATE, source_headers, source_key
 from bridge.store import Store, StoreError
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 SCHEMA = "rdq.dead-letter/v1"
@@ -61,7 +62,7 @@ def envelope(task: Task) -> dict[str, Any]:
     }
 
 
-def dlq_headers(task: Task) -> list[tuple[str, bytes | None]]:
+def dlq_headers(task: Task, traceparent: str | None = None) -> list[tuple[str, bytes | None]]:
     ours: list[tuple[str, bytes | None]] = [
         ("rdq.task_id", task.id.encode()),
         ("rdq.queue", task.queue.encode()),
@@ -69,9 +70,11 @@ def dlq_headers(task: Task) -> list[tuple[str, bytes | None]]:
         ("rdq.error.type", (task.dead_reason.type if task.dead_reason else "").encode()),
         ("rdq.attempts", str(len(task.attempts)).encode()),
     ]
-    for name in (TRACEPARENT, TRACESTATE):
-        if name in task.headers:
-            ours.append((name, task.headers[name].encode()))
+    traceparent = traceparent or task.headers.get(TRACEPARENT)
+    if traceparent:
+        ours.append((TRACEPARENT, traceparent.encode()))
+    if TRACESTATE in task.headers:
+        ours.append((TRACESTATE, task.headers[TRACESTATE].encode()))
     # The source record's own headers, as they came (ours win where names clash).
     taken = {name for name, _ in ours}
     return ours + [(k, v) for k, v in source_headers(task.headers) if k not in taken and not k.startswith("rdq.")]
@@ -81,10 +84,10 @@ def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def build_record(task: Task, limit: int) -> DlqRecord:
+def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqRecord:
     """The §6 v1 record for a DEAD task, trimmed to fit `limit` bytes if it must be."""
     body = envelope(task)
-    key, headers = source_key(task.headers), dlq_headers(task)
+    key, headers = source_key(task.headers), dlq_headers(task, traceparent)
     record = DlqRecord(key, _encode(body), headers, None)
     if record.size <= limit:
         return record
@@ -141,12 +144,13 @@ class DlqPublisher:
 
     def __init__(self, store: Store, config: BridgeConfig, producer_factory: Callable[[int], Producer],
                  admin_factory: Callable[[], AdminClient], clock: Clock, wake: asyncio.Event,
-                 batch: int = 500) -> None:
+                 batch: int = 500, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.clock = clock
         self.wake = wake
         self.batch = batch
+        self.telemetry = telemetry or Telemetry()
         self._producer_factory = producer_factory
         self._admin_factory = admin_factory
         self._producer: Producer | None = None
@@ -189,13 +193,9 @@ class DlqPublisher:
             if task.id in self._pending or self._not_before.get(task.id, 0) > now:
                 continue
             topic = self.topic_for(task)
-            record = build_record(task, await self._limit(topic))
-            if record.trimmed:
-                log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, await self._limit(topic),
-                            record.trimmed, extra={"task_id": task.id, "queue": task.queue})
+            limit = await self._limit(topic)
             try:
-                self._producer.produce(topic, value=record.value, key=record.key,
-                                       headers=cast(Any, record.headers), on_delivery=partial(self._on_delivery, task))
+                self._produce(task, topic, limit)
             except BufferError:
                 break  # the producer queue is full: the rest go next round
             except KafkaException as e:
@@ -204,6 +204,18 @@ class DlqPublisher:
             self._pending[task.id] = task
             sent += 1
         return sent
+
+    def _produce(self, task: Task, topic: str, limit: int) -> None:
+        assert self._producer is not None
+        with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
+            # Traced: the record carries the publish span's context (same trace); untraced: the source's.
+            traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
+            record = build_record(task, limit, traceparent)
+            if record.trimmed:
+                log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
+                            extra={"task_id": task.id, "queue": task.queue})
+            self._producer.produce(topic, value=record.value, key=record.key, headers=cast(Any, record.headers),
+                                   on_delivery=partial(self._on_delivery, task))
 
     async def _limit(self, topic: str) -> int:
         if topic not in self._limits:
@@ -250,6 +262,7 @@ class DlqPublisher:
         try:
             await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms())
             self.published += 1
+            self.telemetry.metrics.dlq_published.labels(task.queue).inc()
             log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
                      extra={"task_id": task.id, "queue": task.queue})
         except StoreError as e:  # acknowledged but not recorded: republished later (a duplicate, never a loss)

@@ -15,6 +15,7 @@ from bridge.registry import Registry
 from bridge.scheduler import Scheduler
 from bridge.store import Store
 from bridge.sweep import Sweeper
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -25,19 +26,21 @@ def default_instance_id() -> str:
 
 class Engine:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock | None = None,
-                 instance_id: str | None = None, executor: ThreadPoolExecutor | None = None) -> None:
+                 instance_id: str | None = None, executor: ThreadPoolExecutor | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
         self.clock = clock or SystemClock()
         self.instance_id = instance_id or config.current.engine.instance_id or default_instance_id()
+        self.telemetry = telemetry or Telemetry()
         threads = sum(q.concurrency for q in config.current.queues.values()) + 8
         self.executor = executor or ThreadPoolExecutor(max_workers=min(threads, 256), thread_name_prefix="rdq-handler")
         # Set whenever a task goes DEAD: the DLQ publisher wakes on it.
         self.dead_event = asyncio.Event()
         self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.executor,
-                                   on_dead=self._on_dead)
-        self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change)
+                                   on_dead=self._on_dead, telemetry=self.telemetry)
+        self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change, telemetry=self.telemetry)
 
     def _on_dead(self, task: Task) -> None:
         self.dead_event.set()
@@ -52,13 +55,22 @@ class Engine:
         if ok:
             task = await self.store.get(task_id)
             if task is not None:
+                self._redriven(task, by)
                 self.scheduler.wake(task.queue)
         return ok
+
+    def _redriven(self, task: Task, by: str | None) -> None:
+        self.telemetry.metrics.redrives.labels(task.queue).inc()
+        self.telemetry.redrive_span(task.id, task.queue, task.headers, by)
 
     async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None) -> list[str]:
         """Redrive each DEAD task of `ids`; returns those redriven."""
         now = self.clock.now_ms()
         done = [i for i in ids if await self.store.redrive(i, now, by, request_id)]
+        for task_id in done:
+            task = await self.store.get(task_id)
+            if task is not None:
+                self._redriven(task, by)
         if done:
             for queue in self.config.queue_names():
                 self.scheduler.wake(queue)
@@ -71,11 +83,7 @@ class Engine:
         ids = await self.store.dead_ids(queue, error_type, since, until, limit)
         if dry_run:
             return ids
-        now = self.clock.now_ms()
-        done = [i for i in ids if await self.store.redrive(i, now, by, request_id)]
-        if done:
-            self.scheduler.wake(queue)
-        return done
+        return await self.redrive_many(ids, by, request_id)
 
     def parts(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         """Scheduler (draining on stop), sweep and config watcher, as tasks to supervise."""

@@ -21,6 +21,7 @@ from bridge.records import SourceRecord
 from bridge.registry import Registry
 from bridge.runner import RunOutcome, outcome_of, start_handler
 from bridge.store import Store, StoreError
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
@@ -29,7 +30,7 @@ _STORE_RETRY_MAX = 5.0
 class FirstDelivery:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock, executor: Executor | None,
                  worker: str, on_dead: Callable[[str], None] | None = None,
-                 on_store_health: Callable[[bool], None] | None = None) -> None:
+                 on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
@@ -38,6 +39,7 @@ class FirstDelivery:
         self.worker = worker
         self.on_dead = on_dead
         self.on_store_health = on_store_health
+        self.telemetry = telemetry or Telemetry()
 
     async def handle(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Status | None:
         """Done when this returns. Returns the status of the stored task, or None on success."""
@@ -54,14 +56,20 @@ class FirstDelivery:
             return await self._store(self._dead_task(record, queue_name, queue.handler, headers, reason, None))
         task_id = new_task_id()  # handed to the handler now, so retries of the same record share it
         ctx = HandlerContext(task_id, queue_name, 1, 0, record.value, record.content_type, headers)
-        started = self.clock.now_ms()
-        running = await start_handler(handler, ctx, self.executor)
-        await asyncio.wait([running])
-        result = outcome_of(running, queue.errors)
-        if result.ok:
-            return None
-        return await self._store(self._failed_task(record, queue_name, queue, headers, task_id, handler.version,
-                                                   started, result))
+        telemetry = self.telemetry
+        telemetry.metrics.records.labels(queue_name).inc()
+        with telemetry.consume_span(record, queue_name, headers):
+            started = self.clock.now_ms()
+            with telemetry.attempt_span(task_id, queue_name, 1, headers, inline=True) as span:
+                running = await start_handler(handler, ctx, self.executor)
+                await asyncio.wait([running])
+                result = outcome_of(running, queue.errors)
+                telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+            telemetry.metrics.attempt(queue_name, result.outcome, (self.clock.now_ms() - started) / 1000)
+            if result.ok:
+                return None
+            return await self._store(self._failed_task(record, queue_name, queue, headers, task_id,
+                                                       handler.version, started, result))
 
     def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],
                      task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:
@@ -117,6 +125,11 @@ class FirstDelivery:
                 delay = min(delay * 2, _STORE_RETRY_MAX)
         if self.on_store_health:
             self.on_store_health(True)
-        if task.status == Status.DEAD and self.on_dead:
-            self.on_dead(task.queue)
+        metrics = self.telemetry.metrics
+        metrics.tasks_created.labels(task.queue, task.status.value).inc()
+        if task.status == Status.DEAD:
+            assert task.dead_reason is not None
+            metrics.dead.labels(task.queue, task.dead_reason.type).inc()
+            if self.on_dead:
+                self.on_dead(task.queue)
         return task.status

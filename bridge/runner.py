@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 from bridge.config import ErrorsConfig
 from bridge.handler_api import HandlerContext, LeaseLost, Retry
@@ -41,7 +45,9 @@ async def start_handler(handler: Handler, ctx: HandlerContext, executor: Executo
     loop = asyncio.get_running_loop()
     if handler.is_async:
         return asyncio.ensure_future(handler.fn(ctx))  # type: ignore[arg-type]
-    return loop.run_in_executor(executor, handler.fn, ctx)  # type: ignore[arg-type]
+    # run_in_executor does not carry context variables: copy them, so the attempt's span is current in the thread.
+    call: Callable[[], Any] = functools.partial(contextvars.copy_context().run, handler.fn, ctx)
+    return loop.run_in_executor(executor, call)
 
 
 def outcome_of(running: asyncio.Future[None], errors: ErrorsConfig) -> RunOutcome:

@@ -24,6 +24,7 @@ from bridge.policy import decide
 from bridge.registry import Registry
 from bridge.runner import RunOutcome, outcome_of, start_handler
 from bridge.store import Result, RunReport, Store, StoreError
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 _MAX_IDLE = 1.0
@@ -41,7 +42,7 @@ class _Execution:
 class Scheduler:
     def __init__(self, store: Store, registry: Registry, config: LiveConfig, clock: Clock, instance_id: str,
                  executor: Executor | None = None, on_dead: Callable[[Task], None] | None = None,
-                 rand: Callable[[], float] = random.random) -> None:
+                 rand: Callable[[], float] = random.random, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
@@ -50,6 +51,7 @@ class Scheduler:
         self.executor = executor
         self.on_dead = on_dead
         self.rand = rand
+        self.telemetry = telemetry or Telemetry()
         self.paused: set[str] = set()
         self._running: dict[str, _Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
@@ -169,13 +171,16 @@ class Scheduler:
         ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
                              task.payload_content_type, task.headers)
         execution.ctx = ctx
-        execution.running = await start_handler(handler, ctx, self.executor)
-        keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running))
-        try:
-            await asyncio.wait([execution.running])
-        finally:
-            keeper.cancel()
-        result = outcome_of(execution.running, queue.errors)
+        with self.telemetry.attempt_span(task.id, task.queue, task.attempt_count, task.headers) as span:
+            execution.running = await start_handler(handler, ctx, self.executor)
+            keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running))
+            try:
+                await asyncio.wait([execution.running])
+            finally:
+                keeper.cancel()
+            result = outcome_of(execution.running, queue.errors)
+            self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+        self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
         await self._record(task, queue, started, result)
 
     async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig,
@@ -199,6 +204,8 @@ class Scheduler:
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
         if result.ok:
             outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
+            if outcome.accepted:
+                self.telemetry.metrics.time_to_success.labels(task.queue).observe((now - task.created_at) / 1000)
         elif result.lease_lost and result.outcome != Outcome.SUCCESS:
             return  # abandoned after losing the lease: whoever holds the task now records its outcome
         else:
@@ -217,6 +224,7 @@ class Scheduler:
     async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
         result = await self.store.record_dead(task.id, task.lease_token, report, reason)
         if result.accepted:
+            self.telemetry.metrics.dead.labels(task.queue, reason.type).inc()
             log.warning("task dead: %s: %s", reason.type, reason.message[:300],
                         extra={"task_id": task.id, "queue": task.queue})
             if self.on_dead is not None:

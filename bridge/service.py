@@ -18,8 +18,9 @@ from bridge.admin import AdminCommands, AdminLoop
 from bridge.config import BridgeConfig
 from bridge.consumer import SourceConsumer
 from bridge.dlq import DlqPublisher
-from bridge.engine import Engine, supervise
+from bridge.engine import Engine, default_instance_id, supervise
 from bridge.first_delivery import FirstDelivery
+from bridge.health import HealthServer
 from bridge.kafka_clients import (
     broker_reachable,
     make_admin,
@@ -33,6 +34,7 @@ from bridge.live_config import LiveConfig
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
 from bridge.store import Store
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +64,19 @@ class Bridge:
     """Every part of a running bridge, built from one config."""
 
     def __init__(self, config: BridgeConfig, store: Store, registry: Registry, config_path: Path | None = None,
-                 instance_id: str | None = None) -> None:
+                 instance_id: str | None = None, telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.store = store
         self.live = LiveConfig(config, config_path)
-        self.engine = Engine(store, self.live, registry, instance_id=instance_id)
+        instance_id = instance_id or config.engine.instance_id or default_instance_id()
+        self.telemetry = telemetry or Telemetry(config.telemetry, group_id=config.kafka.group_id,
+                                                instance_id=instance_id)
+        self.engine = Engine(store, self.live, registry, instance_id=instance_id, telemetry=self.telemetry)
         self.run_id = f"{self.engine.instance_id}-{new_task_id()}"
         grace = config.engine.grace_period
         self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.executor,
-                                      self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set())
+                                      self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
+                                      telemetry=self.telemetry)
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
                                        lambda: make_consumer(config), grace,
                                        paused_queues=lambda: self.engine.scheduler.paused)
@@ -82,7 +88,13 @@ class Bridge:
                                    lambda: make_admin_consumer(config, self.run_id),
                                    lambda: make_producer(config), self.engine.clock.now_ms)
         self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
-                                lambda: make_admin(config), self.engine.clock, self.engine.dead_event)
+                                lambda: make_admin(config), self.engine.clock, self.engine.dead_event,
+                                telemetry=self.telemetry)
+        self.health: HealthServer | None = None
+        if config.telemetry.port is not None:
+            self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
+                                       config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
+                                       queues=self.live.queue_names)
 
     async def run(self, stop: asyncio.Event) -> None:
         parts = [
@@ -92,10 +104,13 @@ class Bridge:
         ]
         if self.admin is not None:
             parts.append(asyncio.create_task(self.admin.run(stop), name="rdq-admin"))
+        if self.health is not None:
+            parts.append(asyncio.create_task(self.health.run(stop), name="rdq-health"))
         try:
             await supervise(parts, stop)
         finally:
             self.engine.close()
+            self.telemetry.shutdown()
 
 
 async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asyncio.Event | None = None) -> None:

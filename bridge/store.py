@@ -74,6 +74,14 @@ class _Stats:
     by_queue_status: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+_UNWRITABLE = {8, 10, 13, 14}  # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
+
+
+def _unwritable(error: BaseException) -> bool:
+    cause = error.__cause__ or error
+    return getattr(cause, "sqlite_errorcode", 0) & 0xFF in _UNWRITABLE
+
+
 def _ms(seconds: float) -> int:
     return round(seconds * _MS)
 
@@ -93,6 +101,8 @@ class Store:
         self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self.stats = _Stats()
+        # False after a write failed for want of space or permission, until a write succeeds again (/readyz).
+        self.writable = True
 
     # ---- lifecycle -------------------------------------------------------------------------------------
 
@@ -199,6 +209,7 @@ class Store:
         try:
             outcomes = await self._in_thread(self._run_batch, ops)
         except Exception as e:  # COMMIT failed (disk full, I/O error): nothing of the batch is durable.
+            self.writable = False
             error = StoreError(f"{self.path}: write failed: {e}")
             for op in ops:
                 if not op.future.done():
@@ -206,6 +217,7 @@ class Store:
             return
         self.stats.batches += 1
         self.stats.ops += len(ops)
+        self.writable = not any(not ok and _unwritable(value) for ok, value in outcomes)
         self.stats.largest_batch = max(self.stats.largest_batch, len(ops))
         for op, (ok, value) in zip(ops, outcomes, strict=True):
             if op.future.done():
@@ -244,7 +256,12 @@ class Store:
             except Exception as e:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
-                results[i] = (False, e if isinstance(e, StoreError) else StoreError(str(e)))
+                if isinstance(e, StoreError):
+                    results[i] = (False, e)
+                else:
+                    wrapped = StoreError(str(e))
+                    wrapped.__cause__ = e
+                    results[i] = (False, wrapped)
         return [r for r in results if r is not None]
 
     def _bulk_insert(self, conn: sqlite3.Connection, tasks: list[NewTask]) -> bool:
@@ -561,6 +578,14 @@ class Store:
         out: dict[str, dict[str, int]] = {}
         for queue, status, n in rows:
             out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
+        return out
+
+    async def open_counts(self) -> dict[str, dict[str, int]]:
+        """PENDING and IN_FLIGHT counts by queue (the open-tasks gauge)."""
+        rows = await self._read(lambda c: c.execute(q("count_open_by_queue_status")).fetchall())
+        out: dict[str, dict[str, int]] = {}
+        for queue, status, n in rows:
+            out.setdefault(queue, {"PENDING": 0, "IN_FLIGHT": 0})[status] = n
         return out
 
     async def count_open(self, queue: str) -> int:

@@ -13,18 +13,21 @@ from bridge.live_config import LiveConfig
 from bridge.model import Outcome
 from bridge.policy import decide
 from bridge.store import Store, StoreError, SweepCounts
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
 class Sweeper:
     def __init__(self, store: Store, config: LiveConfig, clock: Clock,
-                 on_change: Callable[[str], None] | None = None, rand: Callable[[], float] = random.random) -> None:
+                 on_change: Callable[[str], None] | None = None, rand: Callable[[], float] = random.random,
+                 telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.clock = clock
         self.on_change = on_change  # told which queue has new due or dead tasks
         self.rand = rand
+        self.metrics = (telemetry or Telemetry()).metrics
         self._warned: set[str] = set()
 
     async def run(self, stop: asyncio.Event, interval: float) -> None:
@@ -47,6 +50,8 @@ class Sweeper:
                 n = await self.store.time_out(name, now - int(queue.queue_timeout * 1000), now,
                                               f"queue_timeout of {queue.queue_timeout:g}s exceeded")
                 timed_out += n
+                if n:
+                    self.metrics.dead.labels(name, "rdq.Timeout").inc(n)
                 if n and self.on_change:
                     self.on_change(name)
             purged += await self.store.purge(name, queue.retain_from, now - int(queue.task_ttl * 1000))
@@ -67,6 +72,9 @@ class Sweeper:
             next_at = None if decision.retry_after is None else now + int(decision.retry_after * 1000)
             if await self.store.expire_lease(row, now, next_at):
                 reclaimed += 1
+                self.metrics.attempts.labels(row["queue"], "LEASE_EXPIRED").inc()
+                if next_at is None:
+                    self.metrics.dead.labels(row["queue"], "rdq.LeaseExpired").inc()
                 if self.on_change:
                     self.on_change(row["queue"])
         return reclaimed

@@ -190,11 +190,11 @@ def b64(data: str) -> bytes:
 
 
 @asynccontextmanager
-async def running_bridge(config: BridgeConfig, registry: Registry | None = None,
-                         instance_id: str = "test-bridge") -> AsyncIterator[Bridge]:
+async def running_bridge(config: BridgeConfig, registry: Registry | None = None, instance_id: str = "test-bridge",
+                         telemetry: Any = None) -> AsyncIterator[Bridge]:
     ensure_topics(config)
     store = await Store.open(config.store.path)
-    bridge = Bridge(config, store, registry or REGISTRY, instance_id=instance_id)
+    bridge = Bridge(config, store, registry or REGISTRY, instance_id=instance_id, telemetry=telemetry)
     stop = asyncio.Event()
     runner = asyncio.create_task(bridge.run(stop))
     try:

@@ -187,6 +187,9 @@ SELECT id FROM tasks
 -- name: count_by_queue_status
 SELECT queue, status, COUNT(*) AS n FROM tasks GROUP BY queue, status;
 
+-- name: count_open_by_queue_status
+SELECT queue, status, COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT') GROUP BY queue, status;
+
 -- name: count_open
 SELECT COUNT(*) FROM tasks WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT');
 

@@ -1,0 +1,169 @@
+"""Observability (SPEC §9): traces that follow a record's whole life, Prometheus metrics.
+
+Traces use the OpenTelemetry API with a tracer provider of our own (configured from `telemetry.tracing`:
+none | console | otlp). Every attempt — inline, hours later, after a restart — is a child of the source record's
+`traceparent`, so one trace shows the record's whole life; the DLQ record carries it; a redrive links back.
+With tracing off, the per-record path does no tracing work at all (one attribute check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from bridge.config import TelemetryConfig
+from bridge.model import Outcome
+from bridge.records import SourceRecord
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_TIME_TO_SUCCESS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
+
+
+class Metrics:
+    """The bridge's Prometheus metrics, on a registry of its own (served at /metrics)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.records = Counter("rdq_records_consumed", "Source records consumed", ["queue"], registry=r)
+        self.tasks_created = Counter("rdq_tasks_created", "Tasks created from failed first deliveries",
+                                     ["queue", "status"], registry=r)
+        self.attempts = Counter("rdq_attempts", "Handler attempts by outcome (first deliveries included)",
+                                ["queue", "outcome"], registry=r)
+        self.dead = Counter("rdq_dead", "Tasks dead-lettered, by error type", ["queue", "error_type"], registry=r)
+        self.redrives = Counter("rdq_redrives", "Tasks redriven", ["queue"], registry=r)
+        self.dlq_published = Counter("rdq_dlq_published", "DLQ records acknowledged by the broker", ["queue"],
+                                     registry=r)
+        self.open_tasks = Gauge("rdq_open_tasks", "Open tasks (PENDING, IN_FLIGHT) by queue", ["queue", "status"],
+                                registry=r)
+        self.handler_duration = Histogram("rdq_handler_duration_seconds", "Handler run time", ["queue"],
+                                          buckets=_DURATION_BUCKETS, registry=r)
+        self.time_to_success = Histogram("rdq_time_to_success_seconds",
+                                         "From a task's creation (first failure) to its success",
+                                         ["queue"], buckets=_TIME_TO_SUCCESS_BUCKETS, registry=r)
+        self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
+
+    def attempt(self, queue: str, outcome: Outcome, seconds: float) -> None:
+        self.attempts.labels(queue, outcome.value).inc()
+        self.handler_duration.labels(queue).observe(seconds)
+
+
+def _exporter(config: TelemetryConfig) -> SpanExporter | None:
+    if config.tracing == "console":
+        return ConsoleSpanExporter()
+    if config.tracing == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=config.otlp_endpoint) if config.otlp_endpoint else OTLPSpanExporter()
+    return None
+
+
+def context_of(headers: Mapping[str, str]) -> Context:
+    return _PROPAGATOR.extract({k: v for k, v in headers.items() if k in ("traceparent", "tracestate")})
+
+
+class Telemetry:
+    def __init__(self, config: TelemetryConfig | None = None, provider: TracerProvider | None = None,
+                 metrics: Metrics | None = None, group_id: str = "", instance_id: str = "") -> None:
+        config = config or TelemetryConfig()
+        self.metrics = metrics or Metrics()
+        self.group_id = group_id
+        self.provider = provider
+        if self.provider is None:
+            exporter = _exporter(config)
+            if exporter is not None:
+                resource = Resource.create({"service.name": "rdq-bridge", "service.instance.id": instance_id})
+                self.provider = TracerProvider(resource=resource)
+                self.provider.add_span_processor(BatchSpanProcessor(exporter))
+        self.tracing = self.provider is not None
+        self._tracer = self.provider.get_tracer("rdq-bridge") if self.provider else None
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
+
+    # ---- spans (each a no-op context when tracing is off) -------------------------------------------------
+
+    @contextlib.contextmanager
+    def consume_span(self, record: SourceRecord, queue: str, headers: Mapping[str, str]) -> Iterator[Any]:
+        if self._tracer is None:
+            yield None
+            return
+        attributes: dict[str, Any] = {
+            "messaging.system": "kafka", "messaging.operation.type": "process", "messaging.operation.name": "process",
+            "messaging.destination.name": record.topic, "messaging.destination.partition.id": str(record.partition),
+            "messaging.kafka.offset": record.offset, "messaging.consumer.group.name": self.group_id,
+            "rdq.queue": queue,
+        }  # fmt: skip
+        if record.key is not None:
+            attributes["messaging.kafka.message.key"] = record.key.decode("utf-8", "replace")
+        with self._tracer.start_as_current_span(f"process {record.topic}", context=context_of(headers),
+                                                kind=SpanKind.CONSUMER, attributes=attributes) as span:
+            yield span
+
+    @contextlib.contextmanager
+    def attempt_span(self, task_id: str, queue: str, attempt: int, headers: Mapping[str, str],
+                     inline: bool = False) -> Iterator[Any]:
+        """One handler attempt. Inline (first delivery): under the consume span; a retry: under the source's."""
+        if self._tracer is None:
+            yield None
+            return
+        parent = None if inline else context_of(headers)
+        attributes: dict[str, Any] = {"rdq.task.id": task_id, "rdq.queue": queue, "rdq.attempt": attempt,
+                      "rdq.source": headers.get("rdq.source", "")}
+        with self._tracer.start_as_current_span(f"attempt {queue}", context=parent, kind=SpanKind.INTERNAL,
+                                                attributes=attributes, record_exception=False,
+                                                set_status_on_exception=False) as span:
+            yield span
+
+    @staticmethod
+    def end_attempt(span: Any, outcome: Outcome, error_type: str | None = None) -> None:
+        if span is None:
+            return
+        span.set_attribute("rdq.outcome", outcome.value)
+        if outcome != Outcome.SUCCESS:
+            span.set_attribute("error.type", error_type or outcome.value)
+            span.set_status(Status(StatusCode.ERROR, error_type or outcome.value))
+
+    @contextlib.contextmanager
+    def publish_span(self, task_id: str, queue: str, topic: str, headers: Mapping[str, str]) -> Iterator[Any]:
+        if self._tracer is None:
+            yield None
+            return
+        attributes: dict[str, Any] = {"messaging.system": "kafka", "messaging.operation.type": "send",
+                      "messaging.operation.name": "publish", "messaging.destination.name": topic,
+                      "rdq.task.id": task_id, "rdq.queue": queue}
+        with self._tracer.start_as_current_span(f"publish {topic}", context=context_of(headers),
+                                                kind=SpanKind.PRODUCER, attributes=attributes) as span:
+            yield span
+
+    @staticmethod
+    def traceparent_of(span: Any, fallback: str | None) -> str | None:
+        """The traceparent a DLQ record carries: the publish span's (same trace) or, untraced, the source's."""
+        if span is None:
+            return fallback
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get("traceparent", fallback)
+
+    def redrive_span(self, task_id: str, queue: str, headers: Mapping[str, str], by: str | None) -> None:
+        """A redrive: its own short span linking back to the record's trace."""
+        if self._tracer is None:
+            return
+        source = trace.get_current_span(context_of(headers)).get_span_context()
+        links = [Link(source)] if source.is_valid else []
+        span = self._tracer.start_span("redrive", kind=SpanKind.INTERNAL, links=links,
+                                       attributes={"rdq.task.id": task_id, "rdq.queue": queue,
+                                                   "rdq.redrive.by": by or ""})
+        span.end()
