@@ -93,6 +93,16 @@ class ErrorsConfig(_Model):
     default: Literal["retryable", "permanent"] = "retryable"
 
 
+class HttpHandlerConfig(_Model):
+    """Run this queue's tasks by calling the app beside the sidecar (SPEC §8.2)."""
+
+    url: str = Field(pattern=r"^https?://")
+    method: Literal["POST", "PUT", "PATCH"] = "POST"
+    timeout: PositiveDuration = 10.0
+    headers: dict[str, str] = Field(default_factory=dict)
+    max_connections: int = Field(default=32, ge=1)
+
+
 class QueueConfig(_Model):
     handler: str = Field(min_length=1)
     sources: list[str] = Field(default_factory=list)
@@ -108,6 +118,10 @@ class QueueConfig(_Model):
     dlq_topic: str | None = None
     concurrency: int = Field(default=8, ge=1, le=10_000)
     max_open_tasks: int = Field(default=100_000, ge=1)
+    # The handler is the app at this URL (registered under `handler` at start).
+    http: HttpHandlerConfig | None = None
+    # The handler runs in remote workers (the socket protocol): this bridge stores and leases, never runs it.
+    remote: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +137,22 @@ class QueueConfig(_Model):
     @property
     def heartbeat_interval(self) -> float:
         return self.heartbeat.interval or self.lease / 3
+
+
+class WorkersConfig(_Model):
+    """Remote workers (SPEC §8.2): listen addresses, tcp://host:port or unix:///path, and accepted tokens."""
+
+    listen: list[str] = Field(min_length=1)
+    tokens: list[str] = Field(min_length=1)
+    # How long a claim may wait for a task before answering with none.
+    max_wait: PositiveDuration = 30.0
+
+    @model_validator(mode="after")
+    def _addresses(self) -> WorkersConfig:
+        for address in self.listen:
+            if not (address.startswith("tcp://") or address.startswith("unix://")):
+                raise ValueError(f"listen address {address!r} must start with tcp:// or unix://")
+        return self
 
 
 class AdminAuth(_Model):
@@ -167,6 +197,16 @@ class BridgeConfig(_Model):
     admin: AdminConfig | None = None
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    workers: WorkersConfig | None = None
+
+    @model_validator(mode="after")
+    def _remote_needs_workers(self) -> BridgeConfig:
+        for name, queue in self.queues.items():
+            if queue.remote and queue.http is not None:
+                raise ValueError(f"queue {name!r}: a handler is remote or http, not both")
+            if queue.remote and self.workers is None:
+                raise ValueError(f"queue {name!r} is remote but there is no `workers` section to serve it")
+        return self
 
     @model_validator(mode="after")
     def _one_queue_per_source(self) -> BridgeConfig:

@@ -30,7 +30,8 @@ _STORE_RETRY_MAX = 5.0
 class FirstDelivery:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock, executor: Executor | None,
                  worker: str, on_dead: Callable[[str], None] | None = None,
-                 on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None) -> None:
+                 on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None,
+                 on_pending: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
@@ -39,6 +40,7 @@ class FirstDelivery:
         self.worker = worker
         self.on_dead = on_dead
         self.on_store_health = on_store_health
+        self.on_pending = on_pending  # a new PENDING task: the scheduler (or a waiting remote claim) looks now
         self.telemetry = telemetry or Telemetry()
 
     async def handle(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Status | None:
@@ -50,6 +52,12 @@ class FirstDelivery:
             return await self._store(self._dead_task(record, queue_name, "", headers, reason, None))
         if suspect:
             return await self._store(self._crashed_task(record, queue_name, queue, headers))
+        if queue.remote:
+            # The handler lives in remote workers: the record becomes a task due now, for them to claim.
+            return await self._store(NewTask(
+                queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
+                status=Status.PENDING, created_at=self.clock.now_ms(), first_attempt=None,
+                next_attempt_at=self.clock.now_ms(), payload_content_type=record.content_type))
         handler = self.registry.get(queue.handler)
         if handler is None:
             reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
@@ -132,4 +140,6 @@ class FirstDelivery:
             metrics.dead.labels(task.queue, task.dead_reason.type).inc()
             if self.on_dead:
                 self.on_dead(task.queue)
+        elif self.on_pending:
+            self.on_pending(task.queue)
         return task.status

@@ -22,7 +22,9 @@ class Handler:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+        # A callable object with `async def __call__` (e.g. the HTTP handler) counts too.
+        call = type(self.fn).__call__ if not inspect.isfunction(self.fn) else None
+        return inspect.iscoroutinefunction(self.fn) or (call is not None and inspect.iscoroutinefunction(call))
 
 
 class Registry:
@@ -48,6 +50,14 @@ class Registry:
             return fn
 
         return decorate
+
+    def extended(self, extra: dict[str, HandlerFn]) -> Registry:
+        """A new registry with these handlers added; a name already taken is an error."""
+        out = Registry()
+        out._handlers = dict(self._handlers)
+        for name, fn in extra.items():
+            out.register(name, fn)
+        return out
 
     def get(self, name: str) -> Handler | None:
         return self._handlers.get(name)

@@ -62,7 +62,10 @@ class Scheduler:
 
     def wake(self, queue: str) -> None:
         """A task in `queue` may be due now (a new failure, a redrive): look again without waiting."""
-        self._wake.setdefault(queue, asyncio.Event()).set()
+        self.wake_event(queue).set()
+
+    def wake_event(self, queue: str) -> asyncio.Event:
+        return self._wake.setdefault(queue, asyncio.Event())
 
     def running_count(self, queue: str | None = None) -> int:
         return sum(1 for e in self._running.values() if queue is None or e.task.queue == queue)
@@ -72,6 +75,9 @@ class Scheduler:
         loops: dict[str, asyncio.Task[None]] = {}
         while not stop.is_set():
             for name in self.config.queue_names():
+                queue = self.config.queue(name)
+                if queue is None or queue.remote:
+                    continue  # remote workers claim these over their socket
                 if name not in loops or loops[name].done():
                     loops[name] = asyncio.create_task(self._queue_loop(name, stop), name=f"rdq-queue-{name}")
             with contextlib.suppress(TimeoutError):
@@ -181,7 +187,7 @@ class Scheduler:
             result = outcome_of(execution.running, queue.errors)
             self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
         self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
-        await self._record(task, queue, started, result)
+        await self.record(task, queue, started, result)
 
     async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig,
                           running: asyncio.Future[None]) -> None:
@@ -198,16 +204,18 @@ class Scheduler:
                 running.cancel()  # async handlers stop here; a sync one learns at its next heartbeat()
                 return
 
-    async def _record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome) -> None:
+    async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
+                     worker: str | None = None) -> Result:
+        """Record an attempt's outcome under the task's lease token (also for remote workers' results)."""
         now = self.clock.now_ms()
-        report = RunReport(started, now, result.outcome, result.error, self.instance_id)
+        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id)
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
         if result.ok:
             outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
             if outcome.accepted:
                 self.telemetry.metrics.time_to_success.labels(task.queue).observe((now - task.created_at) / 1000)
         elif result.lease_lost and result.outcome != Outcome.SUCCESS:
-            return  # abandoned after losing the lease: whoever holds the task now records its outcome
+            return Result(False)  # abandoned after losing the lease: the task's holder now records its outcome
         else:
             decision = decide(queue, result.outcome, task.attempt_count, result.requested_delay, self.rand)
             if decision.retry_after is None:
@@ -220,6 +228,7 @@ class Scheduler:
                     self.wake(task.queue)
         if not outcome.accepted:
             log.info("result refused: the task was re-queued or finished elsewhere", extra=extra)
+        return outcome
 
     async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
         result = await self.store.record_dead(task.id, task.lease_token, report, reason)

@@ -21,6 +21,7 @@ from bridge.dlq import DlqPublisher
 from bridge.engine import Engine, default_instance_id, supervise
 from bridge.first_delivery import FirstDelivery
 from bridge.health import HealthServer
+from bridge.http_handler import HttpHandler
 from bridge.kafka_clients import (
     broker_reachable,
     make_admin,
@@ -35,6 +36,7 @@ from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
 from bridge.store import Store
 from bridge.telemetry import Telemetry
+from bridge.workers import WorkerServer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class Bridge:
         self.config = config
         self.store = store
         self.live = LiveConfig(config, config_path)
+        self.http_handlers = {q.handler: HttpHandler(q.http) for q in config.queues.values() if q.http is not None}
+        registry = registry.extended(dict(self.http_handlers))
         instance_id = instance_id or config.engine.instance_id or default_instance_id()
         self.telemetry = telemetry or Telemetry(config.telemetry, group_id=config.kafka.group_id,
                                                 instance_id=instance_id)
@@ -76,7 +80,7 @@ class Bridge:
         grace = config.engine.grace_period
         self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.executor,
                                       self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
-                                      telemetry=self.telemetry)
+                                      telemetry=self.telemetry, on_pending=self.engine.scheduler.wake)
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
                                        lambda: make_consumer(config), grace,
                                        paused_queues=lambda: self.engine.scheduler.paused)
@@ -90,6 +94,7 @@ class Bridge:
         self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
                                 lambda: make_admin(config), self.engine.clock, self.engine.dead_event,
                                 telemetry=self.telemetry)
+        self.workers = WorkerServer(config.workers, self.engine) if config.workers is not None else None
         self.health: HealthServer | None = None
         if config.telemetry.port is not None:
             self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
@@ -106,9 +111,13 @@ class Bridge:
             parts.append(asyncio.create_task(self.admin.run(stop), name="rdq-admin"))
         if self.health is not None:
             parts.append(asyncio.create_task(self.health.run(stop), name="rdq-health"))
+        if self.workers is not None:
+            parts.append(asyncio.create_task(self.workers.run(stop), name="rdq-workers"))
         try:
             await supervise(parts, stop)
         finally:
+            for handler in self.http_handlers.values():
+                await handler.close()
             self.engine.close()
             self.telemetry.shutdown()
 

@@ -13,14 +13,14 @@ import contextlib
 import json
 import logging
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
 
-from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, Task
+from bridge.model import LEASE_EXPIRED, Attempt, ErrorInfo, NewTask, Outcome, Status, Task
 from bridge.queries import migrations, q
 
 log = logging.getLogger(__name__)
@@ -363,12 +363,16 @@ class Store:
     async def lapsed_leases(self, now: int, limit: int = 500) -> list[sqlite3.Row]:
         return await self._read(lambda c: c.execute(q("lapsed_leases"), {"now": now, "limit": limit}).fetchall())
 
-    async def expire_lease(self, lapsed: sqlite3.Row, now: int, next_attempt_at: int | None) -> bool:
-        """Reclaim one lapsed lease with a LEASE_EXPIRED attempt; DEAD when `next_attempt_at` is None."""
-        error = ErrorInfo("rdq.LeaseExpired", f"lease held by {lapsed['lease_owner']} lapsed without a result")
+    async def expire_lease(self, lapsed: Mapping[str, Any] | sqlite3.Row, now: int, next_attempt_at: int | None,
+                           error: ErrorInfo | None = None, holder_gone: bool = False) -> bool:
+        """Reclaim one lease with a LEASE_EXPIRED attempt; DEAD when `next_attempt_at` is None.
+
+        The sweep reclaims leases that lapsed; with `holder_gone` the lease is reclaimed before it lapses
+        (the remote worker holding it disconnected: the fast path)."""
+        error = error or ErrorInfo(LEASE_EXPIRED, f"lease held by {lapsed['lease_owner']} lapsed without a result")
         report = RunReport(lapsed["lease_started_at"] or now, now, Outcome.LEASE_EXPIRED, error,
                            lapsed["lease_owner"])
-        base = {"id": lapsed["id"], "token": lapsed["lease_token"], "now": now}
+        base = {"id": lapsed["id"], "token": lapsed["lease_token"], "now": now, "any_time": int(holder_gone)}
 
         def apply(conn: sqlite3.Connection) -> bool:
             if next_attempt_at is None:

@@ -87,17 +87,18 @@ SELECT id, queue, lease_token, attempt_count, redrive_count, lease_started_at, l
  ORDER BY lease_expires_at LIMIT :limit;
 
 -- name: expire_lease_reschedule
+-- A lapsed lease (sweep), or with :any_time a lease whose holder is known gone (its worker's socket dropped).
 UPDATE tasks
    SET status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL
- WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND lease_expires_at <= :now;
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND (:any_time OR lease_expires_at <= :now);
 
 -- name: expire_lease_dead
 UPDATE tasks
    SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now, dead_reason_type = :reason_type,
        dead_reason_message = :reason_message, dlq_state = 'PENDING'
- WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND lease_expires_at <= :now;
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND (:any_time OR lease_expires_at <= :now);
 
 -- name: timed_out
 SELECT id, status, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner

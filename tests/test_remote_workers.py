@@ -1,0 +1,205 @@
+"""Remote workers over TCP and a Unix socket: claims, heartbeats, results, the socket-drop fast path, late
+results (SPEC §8.2, §4.5), tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import parse_config
+from bridge.engine import Engine
+from bridge.live_config import LiveConfig
+from bridge.model import NewTask, Outcome, Status
+from bridge.registry import Registry
+from bridge.store import Store
+from bridge.worker_client import Connection, WorkerClient, WorkerError
+from bridge.workers import WorkerServer
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "worker-token"
+
+
+class Bench:
+    def __init__(self, engine: Engine, server: WorkerServer) -> None:
+        self.engine, self.server, self.store = engine, server, engine.store
+
+    @property
+    def tcp(self) -> str:
+        return next(a for a in self.server.bound if a.startswith("tcp://"))
+
+    @property
+    def unix(self) -> str:
+        return next(a for a in self.server.bound if a.startswith("unix://"))
+
+    async def submit(self, payload: dict[str, Any]) -> str:
+        now = self.engine.clock.now_ms()
+        task = NewTask("r", "remote-example", json.dumps(payload).encode(), {"rdq.source": f"kafka://t/0/{now}"},
+                       Status.PENDING, now, None, next_attempt_at=now)
+        task_id = await self.store.submit(task)
+        self.engine.scheduler.wake("r")
+        return task_id
+
+    async def until(self, task_id: str, check: Any, within: float = 15.0) -> Any:
+        deadline = time.monotonic() + within
+        while True:
+            task = await self.store.get(task_id)
+            if task is not None and check(task):
+                return task
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met: {task}")
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def bench(tmp_path: Path) -> AsyncIterator[Bench]:
+    config = parse_config({
+        "kafka": {"bootstrap_servers": "127.0.0.1:1"}, "store": {"path": str(tmp_path / "rdq.db")},
+        "queues": {"r": {"handler": "remote-example", "remote": True, "lease": "60s", "max_attempts": 5,
+                         "backoff": {"kind": "fixed", "base": "10ms"}}},
+        "workers": {"listen": ["tcp://127.0.0.1:0", f"unix://{tmp_path}/w.sock"], "tokens": [TOKEN]},
+        "engine": {"sweep_interval": "50ms", "grace_period": "2s", "handler_modules": []},
+    })
+    store = await Store.open(config.store.path)
+    engine = Engine(store, LiveConfig(config), Registry(), instance_id="bridge-1")
+    assert config.workers is not None
+    server = WorkerServer(config.workers, engine)
+    stop = asyncio.Event()
+    parts = [asyncio.create_task(engine.run(stop)), asyncio.create_task(server.run(stop))]
+    while len(server.bound) < 2:  # noqa: ASYNC110 - waiting for the listeners to bind
+        await asyncio.sleep(0.01)
+    yield Bench(engine, server)
+    stop.set()
+    await asyncio.gather(*parts)
+    engine.close()
+    await store.close()
+
+
+def start_worker(address: str, name: str, log: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "handlers.remote_worker_example", "--address", address,
+                             "--token", TOKEN, "--name", name, "--heartbeat", "0.5"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, env={**__import__("os").environ, "RDQ_EXAMPLE_LOG": str(log)})
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["op"] == "welcome"
+    return proc
+
+
+async def test_a_killed_worker_s_task_is_claimed_again_at_once(bench: Bench, tmp_path: Path) -> None:
+    log = tmp_path / "workers.log"
+    task_id = await bench.submit({"ms_first": 120_000})  # only the first attempt is slow
+    a = await asyncio.to_thread(start_worker, bench.tcp, "A", log)
+    try:
+        await bench.until(task_id, lambda t: t.status == Status.IN_FLIGHT and t.lease_owner.endswith("/A"))
+        killed_at = time.monotonic()
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        requeued = await bench.until(task_id, lambda t: t.status == Status.PENDING)
+        b = await asyncio.to_thread(start_worker, bench.unix, "B", log)  # the other socket kind
+        try:
+            done = await bench.until(task_id, lambda t: t.status == Status.SUCCEEDED)
+            took = time.monotonic() - killed_at
+        finally:
+            b.terminate()
+            b.wait()
+    finally:
+        a.kill()
+    assert took < 10, f"re-claimed after {took:.1f}s; the lease was 60s"
+    assert requeued.attempts[-1].outcome == Outcome.LEASE_EXPIRED
+    assert requeued.attempts[-1].error is not None and requeued.attempts[-1].error.type == "rdq.WorkerGone"
+    assert [a.outcome for a in done.attempts] == [Outcome.LEASE_EXPIRED, Outcome.SUCCESS]
+    assert done.attempts[-1].worker == "B"
+    assert [json.loads(line)["worker"] for line in log.read_text().splitlines()] == ["B"]
+
+
+def hello(address: str, name: str) -> Connection:
+    conn = Connection(address)
+    conn.call("hello", token=TOKEN, worker=name, handlers=["remote-example"])
+    return conn
+
+
+async def test_late_success_is_accepted_when_nothing_else_finished(bench: Bench) -> None:
+    bench.engine.config.set_override("r", {"lease": "500ms"})
+    task_id = await bench.submit({})
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    [task] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
+    await bench.until(task_id, lambda t: t.status == Status.PENDING)  # A's lease lapsed; the sweep re-queued it
+    bench.engine.scheduler.paused.add("r")  # nobody else claims it meanwhile
+    answer = await asyncio.to_thread(a.call, "result", task_id=task_id, token=task["token"], attempt=1,
+                                     outcome="success")
+    assert answer["accepted"] and answer["status"] == "SUCCEEDED"
+    done = await bench.store.get(task_id)
+    assert done is not None and done.attempts[-1].late_result_of == 1 and done.attempts[-1].worker == "A"
+    a.close()
+
+
+async def test_late_success_is_refused_when_another_worker_finished_first(bench: Bench) -> None:
+    bench.engine.config.set_override("r", {"lease": "500ms"})
+    task_id = await bench.submit({})
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    b = await asyncio.to_thread(hello, bench.unix, "B")
+    [old] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
+    await bench.until(task_id, lambda t: t.status == Status.PENDING)
+    [new] = (await asyncio.to_thread(b.call, "claim", max=1, wait=5))["tasks"]
+    assert new["token"] > old["token"] and new["attempt"] == 2
+    heartbeat = await asyncio.to_thread(a.call, "heartbeat", task_id=task_id, token=old["token"])
+    assert heartbeat["ok"] is False  # A is told its lease is lost
+    won = await asyncio.to_thread(b.call, "result", task_id=task_id, token=new["token"], attempt=2,
+                                  outcome="success")
+    lost = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"], attempt=1,
+                                   outcome="success")
+    assert won["accepted"] and not lost["accepted"] and lost["status"] == "SUCCEEDED"
+    late_failure = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"], attempt=1,
+                                           outcome="retryable", error={"type": "E", "message": "x"})
+    assert not late_failure["accepted"]
+    a.close()
+    b.close()
+
+
+async def test_retryable_and_permanent_results(bench: Bench) -> None:
+    retry_id = await bench.submit({})
+    dead_id = await bench.submit({})
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    tasks = (await asyncio.to_thread(a.call, "claim", max=2, wait=5))["tasks"]
+    by_id = {t["task_id"]: t for t in tasks}
+    r = await asyncio.to_thread(a.call, "result", task_id=retry_id, token=by_id[retry_id]["token"], attempt=1,
+                                outcome="retryable", retry_after=30, error={"type": "Busy", "message": "later"})
+    d = await asyncio.to_thread(a.call, "result", task_id=dead_id, token=by_id[dead_id]["token"], attempt=1,
+                                outcome="permanent", error={"type": "Bad", "message": "no"})
+    assert r["status"] == "PENDING" and d["status"] == "DEAD"
+    retried = await bench.store.get(retry_id)
+    assert retried is not None and retried.next_attempt_at is not None
+    assert retried.next_attempt_at - retried.attempts[-1].finished_at == 30_000
+    a.close()
+
+
+async def test_a_bad_token_is_refused(bench: Bench) -> None:
+    client = WorkerClient(bench.tcp, "not-the-token", {"remote-example": lambda t: None})
+    with pytest.raises(WorkerError, match=r"rdq\.worker\.Unauthorized"):
+        await asyncio.to_thread(client.connect)
+
+
+async def test_the_python_client_runs_tasks_end_to_end(bench: Bench) -> None:
+    ids = [await bench.submit({"fail": 1}) for _ in range(3)]
+    seen: list[tuple[str, int]] = []
+
+    def work(task: Any) -> None:
+        seen.append((task.task_id, task.attempt))
+        if task.attempt <= 1:
+            raise ConnectionError("first try fails")
+
+    client = WorkerClient(bench.unix, TOKEN, {"remote-example": work}, name="py", wait=1.0)
+    await asyncio.to_thread(client.connect)
+    runner = asyncio.create_task(asyncio.to_thread(client.run))
+    for task_id in ids:
+        await bench.until(task_id, lambda t: t.status == Status.SUCCEEDED)
+    client.stop()
+    await runner
+    assert sorted(seen) == sorted([(i, 1) for i in ids] + [(i, 2) for i in ids])
