@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -70,14 +71,32 @@ class FirstDelivery:
             started = self.clock.now_ms()
             with telemetry.attempt_span(task_id, queue_name, 1, headers, inline=True) as span:
                 running = await start_handler(handler, ctx, self.executor)
-                await asyncio.wait([running])
-                result = outcome_of(running, queue.errors)
+                if await self._within_lease(running, ctx, queue.lease):
+                    result = outcome_of(running, queue.errors)
+                else:
+                    result = RunOutcome(Outcome.LEASE_EXPIRED, ErrorInfo(
+                        LEASE_EXPIRED, f"first delivery ran a whole lease ({queue.lease:g}s) without a heartbeat; "
+                                       "abandoned and handed to the scheduler"))
                 telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
             telemetry.metrics.attempt(queue_name, result.outcome, (self.clock.now_ms() - started) / 1000)
             if result.ok:
                 return None
             return await self._store(self._failed_task(record, queue_name, queue, headers, task_id,
                                                        handler.version, started, result))
+
+    @staticmethod
+    async def _within_lease(running: asyncio.Future[None], ctx: HandlerContext, lease: float) -> bool:
+        """Wait for the handler while it heartbeats at least once per lease. False: it went silent for a whole
+        lease (hung): it is abandoned so one stuck record cannot hold its partition's slot forever."""
+        while True:
+            done, _ = await asyncio.wait([running], timeout=lease)
+            if done:
+                return True
+            if time.monotonic() - ctx.last_beat < lease:
+                continue
+            ctx._lease_lost.set()
+            running.cancel()  # an async one stops now
+            return False
 
     def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],
                      task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:

@@ -223,3 +223,29 @@ async def test_a_full_store_pauses_consumption_and_no_offset_passes_it(kafka: Ka
         await bridge.store.limit_size(None)  # space returns
         await await_lag(config, topic, 0)
         assert (await bridge.store.counts())["q"]["DEAD"] == 31
+
+
+async def test_a_hung_first_delivery_is_abandoned_after_a_lease_and_ends_in_the_dlq(
+        kafka: KafkaEnv, tmp_path: Path, unique: str, example_log_path: Path) -> None:
+    from bridge.handler_api import HandlerContext
+    from bridge.registry import REGISTRY
+
+    async def hang(ctx: HandlerContext) -> None:
+        if ctx.payload == b"hang":
+            await asyncio.sleep(3600)  # never heartbeats, never returns
+        REGISTRY.get("ok").fn(ctx)  # type: ignore[union-attr]
+
+    registry = REGISTRY.extended({"hang-or-ok": hang})
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "hang-or-ok", "sources": [topic], "dlq_topic": f"dlq-{unique}", "lease": "1s",
+              "max_attempts": 2, "backoff": {"kind": "fixed", "base": "10ms"}}},
+        kafka={"topic_partitions": 1, "partition_concurrency": 1})
+    async with running_bridge(config, registry):
+        produce(config, topic, [(None, b"hang", []), (None, b"after-1", []), (None, b"after-2", [])])
+        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1, timeout=60)
+        await await_lag(config, topic, 0)
+    # The partition's only slot was freed: the records behind the hung one were handled.
+    assert len(example_log(example_log_path)) == 2
+    assert [a["outcome"] for a in record.value["attempts"]] == ["LEASE_EXPIRED", "LEASE_EXPIRED"]
+    assert record.value["reason"]["type"] == "rdq.LeaseExpired"
