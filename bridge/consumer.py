@@ -5,8 +5,9 @@
   past a record that is not: the commit is the highest contiguous done offset of each partition.
 - Before a batch's handlers start, each partition's in-flight offset range is journaled (one write per batch): if
   the process dies, those records come back marked as suspects and become tasks instead of running inline again.
-- A partition is paused while its records wait for a slot, while its queue is over `max_open_tasks`, while the
-  store cannot be written, and while its queue is paused by an operator; it resumes by itself.
+- A partition is paused while too many of its fetched records wait for a slot, while its queue is over
+  `max_open_tasks`, while the store cannot be written, and while its queue is paused by an operator; it resumes
+  by itself.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bridge.store import Store, StoreError
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
 _BATCH = 500
+_BACKLOG_HIGH = 2000  # fetched records waiting per partition before it is paused
 _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
 _BACKPRESSURE_INTERVAL = 0.25
@@ -234,13 +236,20 @@ class SourceConsumer:
         return self._backpressured | self._operator_paused()
 
     def _wanted_pauses(self) -> set[TP]:
+        """Pause a partition only when its fetched-but-waiting records pile up past a high-water mark (and until
+        they drain to half of it): pausing makes librdkafka drop what it prefetched, so it is kept for real
+        pressure, not for every batch that outnumbers the partition's slots."""
         if not self._store_healthy:
             return set(self._assigned)
-        paused_queues = self._held_queues()
-        limit = self.config.kafka.partition_concurrency
-        return {tp for tp in self._assigned
-                if self._backlog.get(tp) or len(self._running.get(tp, ())) >= limit
-                or self.config.queue_for_topic(tp[0]) in paused_queues}
+        held = self._held_queues()
+        high = _BACKLOG_HIGH
+        wanted = set()
+        for tp in self._assigned:
+            waiting = len(self._backlog.get(tp, ()))
+            if (waiting > high or (tp in self._paused and waiting > high // 2)
+                    or self.config.queue_for_topic(tp[0]) in held):
+                wanted.add(tp)
+        return wanted
 
     async def _apply_pauses(self) -> None:
         if self._consumer is None:

@@ -63,13 +63,13 @@ class FirstDelivery:
         if handler is None:
             reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
             return await self._store(self._dead_task(record, queue_name, queue.handler, headers, reason, None))
-        task_id = new_task_id()  # handed to the handler now, so retries of the same record share it
-        ctx = HandlerContext(task_id, queue_name, 1, 0, record.value, record.content_type, headers)
+        # The task id is made only if used: read by the handler (to dedupe), or for a failure's task.
+        ctx = HandlerContext(new_task_id, queue_name, 1, 0, record.value, record.content_type, headers)
         telemetry = self.telemetry
-        telemetry.metrics.records.labels(queue_name).inc()
+        telemetry.metrics.record_seen(queue_name)
         with telemetry.consume_span(record, queue_name, headers):
             started = self.clock.now_ms()
-            with telemetry.attempt_span(task_id, queue_name, 1, headers, inline=True) as span:
+            with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
                 running = await start_handler(handler, ctx, self.executor)
                 if await self._within_lease(running, ctx, queue.lease):
                     result = outcome_of(running, queue.errors)
@@ -81,7 +81,7 @@ class FirstDelivery:
             telemetry.metrics.attempt(queue_name, result.outcome, (self.clock.now_ms() - started) / 1000)
             if result.ok:
                 return None
-            return await self._store(self._failed_task(record, queue_name, queue, headers, task_id,
+            return await self._store(self._failed_task(record, queue_name, queue, headers, ctx.task_id,
                                                        handler.version, started, result))
 
     @staticmethod
@@ -94,7 +94,7 @@ class FirstDelivery:
                 return True
             if time.monotonic() - ctx.last_beat < lease:
                 continue
-            ctx._lease_lost.set()
+            ctx.lose_lease()
             running.cancel()  # an async one stops now
             return False
 

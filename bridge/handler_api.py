@@ -8,7 +8,6 @@ Handlers must be idempotent: delivery is at-least-once, and `ctx.task_id` is sta
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ class LeaseLost(Exception):
 
 @dataclass
 class HandlerContext:
-    task_id: str
+    _task_id: str | Callable[[], str] = field(repr=False)  # a ULID, or how to make it on first use
     queue: str
     attempt: int
     redrive_count: int
@@ -41,8 +40,20 @@ class HandlerContext:
     headers: Mapping[str, str]
     # Called by heartbeat(); the scheduler turns beats into lease extensions.
     _on_beat: Callable[[], None] | None = field(default=None, repr=False)
-    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Set (from the event loop) once the lease is gone; read by heartbeat() in any thread. A plain flag:
+    # one writer, and a stale read only delays the LeaseLost by one heartbeat.
+    _lost: bool = field(default=False, repr=False)
     last_beat: float = field(default_factory=time.monotonic)
+
+    @property
+    def task_id(self) -> str:
+        """Stable across every retry and redrive of the task: dedupe on it."""
+        if callable(self._task_id):
+            self._task_id = self._task_id()
+        return self._task_id
+
+    def lose_lease(self) -> None:
+        self._lost = True
 
     @property
     def source(self) -> str:
@@ -54,7 +65,7 @@ class HandlerContext:
 
     def heartbeat(self) -> None:
         """Say "still working". Safe from any thread; raises LeaseLost once the task is no longer ours."""
-        if self._lease_lost.is_set():
+        if self._lost:
             raise LeaseLost(f"task {self.task_id}: the lease was lost; abandon this attempt")
         self.last_beat = time.monotonic()
         if self._on_beat is not None:
@@ -62,7 +73,7 @@ class HandlerContext:
 
     @property
     def lease_lost(self) -> bool:
-        return self._lease_lost.is_set()
+        return self._lost
 
     def retry_after(self, seconds: float, message: str = "retry requested") -> Retry:
         """`raise ctx.retry_after(30)`: the exception to raise for a specific delay."""

@@ -177,7 +177,7 @@ class Scheduler:
         ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
                              task.payload_content_type, task.headers)
         execution.ctx = ctx
-        with self.telemetry.attempt_span(task.id, task.queue, task.attempt_count, task.headers) as span:
+        with self.telemetry.attempt_span(task, task.queue, task.attempt_count, task.headers) as span:
             execution.running = await start_handler(handler, ctx, self.executor)
             keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running))
             try:
@@ -200,7 +200,7 @@ class Scheduler:
             checked = ctx.last_beat
             if not await self.store.extend_lease(task.id, task.lease_token, queue.lease, self.clock.now_ms()):
                 log.warning("lease lost; abandoning the attempt", extra={"task_id": task.id, "queue": task.queue})
-                ctx._lease_lost.set()
+                ctx.lose_lease()
                 running.cancel()  # async handlers stop here; a sync one learns at its next heartbeat()
                 return
 
@@ -263,7 +263,7 @@ class Scheduler:
         released = 0
         for execution in executions:
             if execution.ctx is not None:
-                execution.ctx._lease_lost.set()
+                execution.ctx.lose_lease()
             if execution.running is not None:
                 execution.running.cancel()
             try:

@@ -53,10 +53,23 @@ class Metrics:
                                          "From a task's creation (first failure) to its success",
                                          ["queue"], buckets=_TIME_TO_SUCCESS_BUCKETS, registry=r)
         self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
+        # Label children resolved once: the per-record path skips prometheus' label lookup.
+        self._attempt_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}
+        self._record_children: dict[str, Any] = {}
 
     def attempt(self, queue: str, outcome: Outcome, seconds: float) -> None:
-        self.attempts.labels(queue, outcome.value).inc()
-        self.handler_duration.labels(queue).observe(seconds)
+        children = self._attempt_children.get((queue, outcome))
+        if children is None:
+            children = (self.attempts.labels(queue, outcome.value), self.handler_duration.labels(queue))
+            self._attempt_children[(queue, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def record_seen(self, queue: str) -> None:
+        child = self._record_children.get(queue)
+        if child is None:
+            child = self._record_children[queue] = self.records.labels(queue)
+        child.inc()
 
 
 def _exporter(config: TelemetryConfig) -> SpanExporter | None:
@@ -113,13 +126,15 @@ class Telemetry:
             yield span
 
     @contextlib.contextmanager
-    def attempt_span(self, task_id: str, queue: str, attempt: int, headers: Mapping[str, str],
+    def attempt_span(self, task: Any, queue: str, attempt: int, headers: Mapping[str, str],
                      inline: bool = False) -> Iterator[Any]:
-        """One handler attempt. Inline (first delivery): under the consume span; a retry: under the source's."""
+        """One handler attempt. Inline (first delivery): under the consume span; a retry: under the source's.
+        `task` has the task's `id` or `task_id` (read only when tracing: it may be made on first use)."""
         if self._tracer is None:
             yield None
             return
         parent = None if inline else context_of(headers)
+        task_id = getattr(task, "task_id", None) or getattr(task, "id", "")
         attributes: dict[str, Any] = {"rdq.task.id": task_id, "rdq.queue": queue, "rdq.attempt": attempt,
                       "rdq.source": headers.get("rdq.source", "")}
         with self._tracer.start_as_current_span(f"attempt {queue}", context=parent, kind=SpanKind.INTERNAL,

@@ -74,7 +74,7 @@ async def test_sleep_heartbeats_and_stops_when_lease_lost() -> None:
     await REGISTRY.get("sleep").fn(c)  # type: ignore[union-attr,misc]
     assert len(beats) >= 2
     lost = ctx(b'{"ms": 5000}')
-    lost._lease_lost.set()
+    lost.lose_lease()
     with pytest.raises(LeaseLost):
         await asyncio.wait_for(REGISTRY.get("sleep").fn(lost), 3)  # type: ignore[union-attr,arg-type]
 
