@@ -29,6 +29,17 @@ run: kafka
 test: kafka
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# The fault suite: SIGKILLs, broker outage, full store, hung / lease-leaking / crashing handlers, garbage,
+# huge records, bad configs, an old store. Prints a table and appends it to bench/RESULTS.md.
+faults: kafka
+	$(BIN)/python -m bench.faults $(FAULTS_ARGS)
+
+# Benchmarks, each against a baseline measured in the same run (figures appended to bench/RESULTS.md).
+bench: kafka
+	$(BIN)/python -m bench.bench_engine all
+	$(BIN)/python -m bench.bench_kafka all
+	$(BIN)/python -m bench.bench_tracing
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy

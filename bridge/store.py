@@ -254,6 +254,8 @@ class Store:
                 results[i] = (True, op.fn(conn))
                 conn.execute("RELEASE op")
             except Exception as e:
+                if not conn.in_transaction:
+                    raise  # SQLite rolled the whole transaction back (e.g. SQLITE_FULL): the batch fails as one
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
                 if isinstance(e, StoreError):
@@ -273,6 +275,8 @@ class Store:
             conn.execute("RELEASE bulk")
             return True
         except sqlite3.Error:
+            if not conn.in_transaction:
+                raise  # SQLite rolled the whole transaction back (e.g. SQLITE_FULL): the batch fails as one
             # A bad row (e.g. a duplicate id) fails alone on the one-by-one path.
             conn.execute("ROLLBACK TO bulk")
             conn.execute("RELEASE bulk")

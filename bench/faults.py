@@ -1,0 +1,348 @@
+"""The fault suite (`make faults`): what the bridge survives, on a real broker, every record accounted for.
+
+    python -m bench.faults [--quick] [--only NAME ...]
+
+Each fault ends in a row: records in, successes (RDQ_EXAMPLE_LOG lines, unique sources), DLQ records (unique
+sources), lost (neither), duplicates (extra success lines + extra DLQ records). The table is printed and
+appended to bench/RESULTS.md; the exit status is 1 when any record was lost or any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import record
+from bridge.config import BridgeConfig
+from bridge.handler_api import HandlerContext
+from bridge.kafka_clients import ensure_topics
+from bridge.queries import migrations
+from bridge.registry import REGISTRY
+from localkafka import LocalBroker
+from tests.kafka_helpers import (
+    Accounting,
+    BridgeProcess,
+    account,
+    example_log,
+    kafka_config,
+    produce,
+    running_bridge,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    fault: str
+    records: int
+    successes: int
+    dlq: int
+    lost: int
+    duplicates: int
+    note: str = ""
+
+    @classmethod
+    def of(cls, fault: str, result: Accounting, note: str = "") -> Row:
+        return cls(fault, len(result.produced), len(set(result.successes)), len(set(result.dead)),
+                   len(result.missing), result.duplicate_successes + result.duplicate_dead, note)
+
+
+def mixed(n: int, rng: random.Random, transient: float = 0.30, permanent: float = 0.05) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        roll = rng.random()
+        fail = 99 if roll < permanent else rng.randint(1, 2) if roll < permanent + transient else 0
+        out.append(f'{{"fail": {fail}}}'.encode())
+    return out
+
+
+def feed(config: BridgeConfig, topic: str, payloads: list[bytes], per_second: int) -> threading.Thread:
+    def run() -> None:
+        step = max(1, per_second // 10)
+        for start in range(0, len(payloads), step):
+            chunk = payloads[start : start + step]
+            produce(config, topic, [(f"k{start + i}".encode(), p, []) for i, p in enumerate(chunk)])
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def settle(check: Callable[[], Accounting], within: float) -> Accounting:
+    deadline = time.monotonic() + within
+    while True:
+        result = check()
+        if not result.missing or time.monotonic() > deadline:
+            return result
+        time.sleep(2)
+
+
+def names(unique: str) -> tuple[str, str]:
+    return f"in-{unique}", f"dlq-{unique}"
+
+
+def own_dir(tmp: Path, unique: str) -> Path:
+    """Each fault has its own store and files."""
+    path = tmp / unique
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---- faults ---------------------------------------------------------------------------------------------
+
+
+def sigkill(bootstrap: str, tmp: Path, quick: bool) -> Row:
+    kills, n = (6, 3000) if quick else (20, 20_000)
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    log = tmp / f"{unique}-example.log"
+    config = kafka_config(bootstrap, tmp, unique, {
+        "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 4, "lease": "5s",
+                  "backoff": {"kind": "fixed", "base": "100ms"}}},
+        kafka={"topic_partitions": 6,
+               "consumer": {"group.instance.id": f"faults-{unique}", "session.timeout.ms": 10000}})
+    ensure_topics(config)
+    payloads = mixed(n, random.Random(20))
+    feeder = feed(config, topic, payloads, per_second=max(200, n // (kills * 3)))
+    bridge = BridgeProcess(config, tmp / f"{unique}.yaml", {"RDQ_EXAMPLE_LOG": str(log)})
+    rng = random.Random(2026)
+    for _ in range(kills):
+        bridge.start()
+        time.sleep(rng.uniform(1.5, 4.5))
+        bridge.kill()
+    bridge.start()
+    feeder.join()
+    try:
+        result = settle(lambda: account(config, log, topic, dlq, n), 600)
+    finally:
+        bridge.terminate()
+    return Row.of(f"SIGKILL x{kills} during the run (30% transient, 5% permanent)", result)
+
+
+def broker_down(tmp: Path, quick: bool) -> Row:
+    outage = 10 if quick else 30
+    broker = LocalBroker(tmp / f"broker-{uuid.uuid4().hex[:6]}").start()
+    try:
+        unique = uuid.uuid4().hex[:8]
+        topic, dlq = names(unique)
+        tmp = own_dir(tmp, unique)
+        log = tmp / f"{unique}-example.log"
+        config = kafka_config(broker.bootstrap_servers, tmp, unique, {
+            "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 3,
+                      "backoff": {"kind": "fixed", "base": "500ms"}}})
+        ensure_topics(config)
+        rng = random.Random(30)
+        first, second = mixed(2000, rng), mixed(2000, rng)
+        bridge = BridgeProcess(config, tmp / f"{unique}.yaml", {"RDQ_EXAMPLE_LOG": str(log)}).start()
+        produce(config, topic, [(None, p, []) for p in first])
+        time.sleep(3)
+        broker.stop()
+        time.sleep(outage)
+        broker.start()
+        produce(config, topic, [(None, p, []) for p in second])
+        result = settle(lambda: account(config, log, topic, dlq, 4000), 300)
+        alive = bridge.alive
+        bridge.terminate()
+        return Row.of(f"broker down {outage} s mid-run", result, "" if alive else "bridge exited!")
+    finally:
+        broker.stop()
+
+
+def store_full(bootstrap: str, tmp: Path, quick: bool) -> Row:
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    config = kafka_config(bootstrap, tmp, unique, {
+        "q": {"handler": "permanent", "sources": [topic], "dlq_topic": dlq}}, kafka={"topic_partitions": 2})
+    n = 500 if quick else 2000
+
+    async def run() -> str:
+        async with running_bridge(config) as bridge:
+            await bridge.store.limit_size(await bridge.store.size_bytes() + 100_000)  # room for a few tasks
+            produce(config, topic, [(None, os.urandom(2000), []) for _ in range(n)])
+            await wait_until(lambda: not bridge.consumer.store_healthy, within=60, what="the store to fill")
+            await asyncio.sleep(3)
+            stored = sum((await bridge.store.counts()).get("q", {}).values())
+            await bridge.store.limit_size(None)  # space returns
+            await wait_until(lambda: bridge.dlq.published >= n, within=300, what="every record dead-lettered")
+            return f"paused at {stored} tasks stored, resumed by itself"
+
+    note = asyncio.run(run())
+    return Row.of("store full (SQLite page limit), then space returns", account(config, tmp / "none.log", topic,
+                                                                              dlq, n, expect_dead=n), note)
+
+
+def in_process(fault: str, bootstrap: str, tmp: Path, handler: Callable[[HandlerContext], Any],
+               queue: dict[str, Any], payloads: list[bytes]) -> Row:
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    log = tmp / f"{unique}-example.log"
+    os.environ["RDQ_EXAMPLE_LOG"] = str(log)
+    registry = REGISTRY.extended({"fault-handler": handler})
+    config = kafka_config(bootstrap, tmp, unique, {"q": {"handler": "fault-handler", "sources": [topic],
+                                                         "dlq_topic": dlq, **queue}})
+
+    async def run() -> Accounting:
+        async with running_bridge(config, registry):
+            produce(config, topic, [(os.urandom(8), p, [("bin", os.urandom(4))]) for p in payloads])
+            return await asyncio.to_thread(settle, lambda: account(config, log, topic, dlq, len(payloads)), 180)
+
+    try:
+        return Row.of(fault, asyncio.run(run()))
+    finally:
+        del os.environ["RDQ_EXAMPLE_LOG"]
+
+
+async def hang(ctx: HandlerContext) -> None:
+    await asyncio.sleep(3600)  # never heartbeats, never returns
+
+
+async def leak(ctx: HandlerContext) -> None:
+    while True:  # heartbeats forever: holds its lease until the queue timeout
+        await asyncio.sleep(0.2)
+        ctx.heartbeat()
+
+
+def crash(bootstrap: str, tmp: Path) -> Row:
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    config = kafka_config(bootstrap, tmp, unique, {
+        "q": {"handler": "crash", "sources": [topic], "dlq_topic": dlq, "max_attempts": 2, "lease": "1s",
+              "backoff": {"kind": "fixed", "base": "10ms"}}}, kafka={"topic_partitions": 1})
+    ensure_topics(config)
+    n = 3
+    produce(config, topic, [(f"poison-{i}".encode(), b"{}", []) for i in range(n)])
+    bridge = BridgeProcess(config, tmp / f"{unique}.yaml")
+    deadline = time.monotonic() + 300
+    result = account(config, tmp / "none.log", topic, dlq, n)
+    while result.missing and time.monotonic() < deadline:
+        if not bridge.alive:
+            bridge.start()
+        time.sleep(2)
+        result = account(config, tmp / "none.log", topic, dlq, n)
+    bridge.terminate()
+    return Row.of("a handler that kills its process (poison pills)", result, f"{bridge.starts} starts")
+
+
+def bad_configs(tmp: Path) -> Row:
+    cases = {
+        "not YAML": "kafka: [unclosed",
+        "unknown field": "kafka: {bootstrap_servers: x:1}\nqueues: {q: {handler: ok, colour: blue}}\n",
+        "negative lease": "kafka: {bootstrap_servers: x:1}\nqueues: {q: {handler: ok, lease: -1s}}\n",
+        "remote without workers": "kafka: {bootstrap_servers: x:1}\nqueues: {q: {handler: ok, remote: true}}\n",
+    }
+    refused = 0
+    for name, text in cases.items():
+        path = tmp / f"bad-{name.replace(' ', '-')}.yaml"
+        path.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "bridge.cli", "run", "--config", str(path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        refused += int(proc.returncode == 2 and str(path) in proc.stderr)
+    return Row("bad config files (rdq run exits 2 naming file and field)", len(cases), 0, 0, 0, 0,
+               f"{refused}/{len(cases)} refused clearly")
+
+
+def old_store(bootstrap: str, tmp: Path) -> Row:
+    """A store written at schema version 1 with PENDING tasks: the bridge migrates it and runs them."""
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    log = tmp / f"{unique}-example.log"
+    config = kafka_config(bootstrap, tmp, unique, {"q": {"handler": "ok", "sources": [topic], "dlq_topic": dlq}})
+    conn = sqlite3.connect(config.store.path, isolation_level=None)
+    version, _, sql = migrations()[0]
+    conn.executescript(f"BEGIN; {sql}; PRAGMA user_version={version}; COMMIT;")
+    n = 50
+    for i in range(n):
+        conn.execute("INSERT INTO tasks (id, queue, handler_ref, payload, payload_content_type, headers, status, "
+                     "attempt_count, next_attempt_at, created_at, life_started_at) VALUES (?, 'q', 'ok', x'7b7d', "
+                     "'application/json', ?, 'PENDING', 1, 0, 0, 0)",
+                     (f"01OLD{i:021d}", f'{{"rdq.source": "kafka://old/0/{i}"}}'))
+    conn.close()
+    os.environ["RDQ_EXAMPLE_LOG"] = str(log)
+
+    async def run() -> int:
+        async with running_bridge(config) as bridge:
+            await wait_until(lambda: len(example_log(log)) >= n, within=60, what="the old tasks to run")
+            return await bridge.store.schema_version()
+
+    try:
+        version_now = asyncio.run(run())
+    finally:
+        del os.environ["RDQ_EXAMPLE_LOG"]
+    successes = {line["source"] for line in example_log(log)}
+    return Row("a store file from schema version 1 (50 PENDING tasks)", n, len(successes), 0, n - len(successes),
+               len(example_log(log)) - len(successes), f"migrated to v{version_now}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller runs (CI on a busy machine)")
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    rows: list[Row] = []
+    rng = random.Random(7)
+    with tempfile.TemporaryDirectory(prefix="rdq-faults-") as tmp_name, LocalBroker() as broker:
+        tmp, bootstrap = Path(tmp_name), broker.bootstrap_servers
+        garbage = [os.urandom(rng.randint(0, 300)) for _ in range(500)]
+        huge = [os.urandom(900_000) for _ in range(10)]
+        faults: dict[str, Callable[[], Row]] = {
+            "sigkill": lambda: sigkill(bootstrap, tmp, args.quick),
+            "broker": lambda: broker_down(tmp, args.quick),
+            "full": lambda: store_full(bootstrap, tmp, args.quick),
+            "hang": lambda: in_process("a handler that hangs forever (no heartbeat)", bootstrap, tmp, hang,
+                                       {"lease": "1s", "max_attempts": 2, "backoff": {"kind": "fixed", "base": 0}},
+                                       [b"{}"] * 30),
+            "leak": lambda: in_process("a handler that leaks its lease (heartbeats forever)", bootstrap, tmp, leak,
+                                       {"lease": "2s", "queue_timeout": "4s"}, [b"{}"] * 30),
+            "crash": lambda: crash(bootstrap, tmp),
+            "garbage": lambda: in_process("garbage source records (random bytes, binary keys/headers)", bootstrap,
+                                          tmp, REGISTRY.get("flaky").fn, {}, garbage),  # type: ignore[union-attr]
+            "huge": lambda: in_process("huge records (900 KB)", bootstrap, tmp,
+                                       REGISTRY.get("permanent").fn, {}, huge),  # type: ignore[union-attr]
+            "config": lambda: bad_configs(tmp),
+            "old-store": lambda: old_store(bootstrap, tmp),
+        }
+        for name, run in faults.items():
+            if args.only and name not in args.only:
+                continue
+            began = time.monotonic()
+            try:
+                row = run()
+            except Exception as e:  # a fault that breaks the harness is a failure to report, not to hide
+                traceback.print_exc()
+                row = Row(name, 0, 0, 0, -1, 0, f"ERROR {type(e).__name__}: {e}")
+            row.note = f"{row.note} ({time.monotonic() - began:.0f} s)".strip()
+            rows.append(row)
+            print(f"{row.fault}: {row}", flush=True)
+    header = "| fault | records in | successes | DLQ | lost | duplicates | note |"
+    lines = [header, "|---|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {r.fault} | {r.records} | {r.successes} | {r.dlq} | {r.lost} | {r.duplicates} | {r.note} |"
+              for r in rows]
+    record("fault suite" + (" (quick)" if args.quick else ""), lines)
+    bad = [r for r in rows if r.lost != 0 or "ERROR" in r.note or "exited" in r.note]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
