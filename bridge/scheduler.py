@@ -191,14 +191,22 @@ class Scheduler:
 
     async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig,
                           running: asyncio.Future[None]) -> None:
-        """Every heartbeat interval: extend the lease if the handler beat since the last check."""
+        """Every heartbeat interval: extend the lease if the handler beat since the last check. A handler that
+        stays silent until its lease lapses is abandoned too: its slot must not be held by a hung handler."""
         checked = ctx.last_beat
+        expires = task.lease_expires_at or self.clock.now_ms() + int(queue.lease * 1000)
         while not running.done():
             await asyncio.sleep(queue.heartbeat_interval)
+            now = self.clock.now_ms()
             if ctx.last_beat == checked:
-                continue
-            checked = ctx.last_beat
-            if not await self.store.extend_lease(task.id, task.lease_token, queue.lease, self.clock.now_ms()):
+                if now < expires:
+                    continue
+                lost = True  # silent past its lease: the sweep reclaims the task (LEASE_EXPIRED)
+            else:
+                checked = ctx.last_beat
+                lost = not await self.store.extend_lease(task.id, task.lease_token, queue.lease, now)
+                expires = now + int(queue.lease * 1000)
+            if lost:
                 log.warning("lease lost; abandoning the attempt", extra={"task_id": task.id, "queue": task.queue})
                 ctx.lose_lease()
                 running.cancel()  # async handlers stop here; a sync one learns at its next heartbeat()

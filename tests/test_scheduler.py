@@ -312,3 +312,19 @@ async def test_filtered_redrive_and_dry_run(h: Harness) -> None:
     for task_id in ids:
         assert (await engine.store.get(task_id)).status == Status.DEAD  # type: ignore[union-attr]
     assert len(await engine.redrive_queue("q", limit=2, by="sre")) == 2
+
+
+async def test_a_hung_handler_frees_its_slot_once_its_lease_lapses(h: Harness) -> None:
+    async def maybe_hang(ctx: HandlerContext) -> None:
+        if ctx.payload == b"hang":
+            await asyncio.sleep(3600)  # never heartbeats, never returns
+
+    h.registry.register("maybe_hang", maybe_hang)
+    await h.start(q={"handler": "maybe_hang", "concurrency": 1, "lease": "300ms", "max_attempts": 2, **FAST})
+    hung = await h.submit(handler="maybe_hang", payload=b"hang")
+    await asyncio.sleep(0.1)
+    fine = await h.submit(handler="maybe_hang", payload=b"{}")
+    done = await h.wait_status(fine, Status.SUCCEEDED)  # the only slot was given back
+    dead = await h.wait_status(hung, Status.DEAD)
+    assert dead.dead_reason is not None and dead.dead_reason.type == "rdq.LeaseExpired"
+    assert done.attempt_count == 2
