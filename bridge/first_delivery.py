@@ -16,7 +16,7 @@ from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
-from bridge.model import LEASE_EXPIRED, UNROUTABLE, Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
+from bridge.model import LEASE_EXPIRED, TIMEOUT, UNROUTABLE, Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.policy import decide
 from bridge.records import SourceRecord
 from bridge.registry import Registry
@@ -71,12 +71,16 @@ class FirstDelivery:
             started = self.clock.now_ms()
             with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
                 running = await start_handler(handler, ctx, self.executor)
-                if await self._within_lease(running, ctx, queue.lease):
+                ended = await self._within_lease(running, ctx, queue.lease, queue.queue_timeout)
+                if ended == "done":
                     result = outcome_of(running, queue.errors)
-                else:
+                elif ended == "silent":
                     result = RunOutcome(Outcome.LEASE_EXPIRED, ErrorInfo(
                         LEASE_EXPIRED, f"first delivery ran a whole lease ({queue.lease:g}s) without a heartbeat; "
                                        "abandoned and handed to the scheduler"))
+                else:  # heartbeating past the queue timeout: the whole-life bound ends it (SPEC 4.6)
+                    result = RunOutcome(Outcome.PERMANENT_FAILURE, ErrorInfo(
+                        TIMEOUT, f"first delivery still running after queue_timeout ({queue.queue_timeout:g}s)"))
                 telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
             telemetry.metrics.attempt(queue_name, result.outcome, (self.clock.now_ms() - started) / 1000)
             if result.ok:
@@ -85,18 +89,26 @@ class FirstDelivery:
                                                        handler.version, started, result))
 
     @staticmethod
-    async def _within_lease(running: asyncio.Future[None], ctx: HandlerContext, lease: float) -> bool:
-        """Wait for the handler while it heartbeats at least once per lease. False: it went silent for a whole
-        lease (hung): it is abandoned so one stuck record cannot hold its partition's slot forever."""
+    async def _within_lease(running: asyncio.Future[None], ctx: HandlerContext, lease: float,
+                            queue_timeout: float | None) -> str:
+        """Wait for the handler while it heartbeats at least once per lease, within the queue timeout.
+        "done"; "silent": no heartbeat for a whole lease (hung); "timeout": past queue_timeout. Silent or timed
+        out, it is abandoned, so one stuck record cannot hold its partition's slot forever."""
+        began = time.monotonic()
         while True:
             done, _ = await asyncio.wait([running], timeout=lease)
             if done:
-                return True
-            if time.monotonic() - ctx.last_beat < lease:
+                return "done"
+            now = time.monotonic()
+            if queue_timeout is not None and now - began >= queue_timeout:
+                ended = "timeout"
+            elif now - ctx.last_beat >= lease:
+                ended = "silent"
+            else:
                 continue
-            ctx.lose_lease()
+            ctx.lose_lease()  # a sync handler learns at its next heartbeat()
             running.cancel()  # an async one stops now
-            return False
+            return ended
 
     def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],
                      task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:
