@@ -26,17 +26,21 @@ def _json_payload(ctx: HandlerContext) -> dict[str, Any]:
     return data
 
 
-def record_success(name: str, ctx: HandlerContext) -> None:
+def append_example_log(entry: dict[str, Any]) -> None:
+    """One JSON line to RDQ_EXAMPLE_LOG, when it names a file (tests count side effects with it)."""
     path = os.environ.get("RDQ_EXAMPLE_LOG")
     if not path:
         return
-    line = json.dumps({"handler": name, "source": ctx.source, "attempt": ctx.attempt}) + "\n"
     # One O_APPEND write per line: lines from concurrent threads and processes never interleave.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def record_success(name: str, ctx: HandlerContext) -> None:
+    append_example_log({"handler": name, "source": ctx.source, "attempt": ctx.attempt})
 
 
 class TransientError(Exception):

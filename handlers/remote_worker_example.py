@@ -17,6 +17,7 @@ import time
 
 from bridge.handler_api import Permanent
 from bridge.worker_client import RemoteTask, WorkerClient
+from handlers.examples import append_example_log
 
 
 def example(task: RemoteTask, name: str) -> None:
@@ -30,14 +31,7 @@ def example(task: RemoteTask, name: str) -> None:
         raise Permanent("remote-example: permanent failure requested")
     if task.attempt <= int(data.get("fail", 0)):
         raise ConnectionError(f"remote-example: attempt {task.attempt} fails")
-    path = os.environ.get("RDQ_EXAMPLE_LOG")
-    if path:
-        line = json.dumps({"worker": name, "task_id": task.task_id, "attempt": task.attempt}) + "\n"
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+    append_example_log({"worker": name, "task_id": task.task_id, "attempt": task.attempt})
 
 
 def main() -> None:

@@ -75,6 +75,14 @@ def unique() -> str:
     return uuid.uuid4().hex[:10]
 
 
+@pytest.fixture
+def example_log_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """RDQ_EXAMPLE_LOG for this test: the example handlers append a line per success."""
+    path = tmp_path / "example.log"
+    monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(path))
+    return path
+
+
 def write_config(path: Path, tree: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path

@@ -27,13 +27,6 @@ pytestmark = pytest.mark.kafka
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
-@pytest.fixture
-def example_log_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "example.log"
-    monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(path))
-    return path
-
-
 async def test_success_leaves_no_task_and_commits(kafka: KafkaEnv, tmp_path: Path, unique: str,
                                                   example_log_path: Path) -> None:
     config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {

@@ -34,13 +34,6 @@ def traced() -> tuple[Telemetry, InMemorySpanExporter]:
     return Telemetry(provider=provider, group_id="g"), exporter
 
 
-@pytest.fixture
-def example_log_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "example.log"
-    monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(path))
-    return path
-
-
 async def test_a_record_that_fails_twice_then_succeeds_is_one_trace(kafka: KafkaEnv, tmp_path: Path, unique: str,
                                                                    example_log_path: Path) -> None:
     telemetry, exporter = traced()
