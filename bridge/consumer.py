@@ -41,6 +41,10 @@ _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
 
 
+def _first(value: int | None, default: int) -> int:
+    return default if value is None else value  # not `value or default`: offset 0 is an offset
+
+
 class SourceConsumer:
     def __init__(self, config: BridgeConfig, live: LiveConfig, delivery: FirstDelivery, store: Store, run_id: str,
                  clock: Clock, consumer_factory: Callable[[], Consumer], grace_period: float = 10.0,
@@ -146,7 +150,7 @@ class SourceConsumer:
             newest[tp] = max(newest.get(tp, -1), record.offset)
         self.stats["records"] += len(records)
         # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
-        ranges = [(t, p, self._trackers[(t, p)].lowest_pending or hi, hi) for (t, p), hi in newest.items()]
+        ranges = [(t, p, _first(self._trackers[(t, p)].lowest_pending, hi), hi) for (t, p), hi in newest.items()]
         await self._journal(ranges)
         for tp in newest:
             self._start_ready(tp)
