@@ -56,11 +56,13 @@ class Row:
     lost: int
     duplicates: int
     note: str = ""
+    duplicate_dlq: int = 0
 
     @classmethod
     def of(cls, fault: str, result: Accounting, note: str = "") -> Row:
         return cls(fault, len(result.produced), len(set(result.successes)), len(set(result.dead)),
-                   len(result.missing), result.duplicate_successes + result.duplicate_dead, note)
+                   len(result.missing), result.duplicate_successes + result.duplicate_dead, note,
+                   result.duplicate_dead)
 
 
 def mixed(n: int, rng: random.Random, transient: float = 0.30, permanent: float = 0.05) -> list[bytes]:
@@ -335,10 +337,10 @@ def main() -> int:
             row.note = f"{row.note} ({time.monotonic() - began:.0f} s)".strip()
             rows.append(row)
             print(f"{row.fault}: {row}", flush=True)
-    header = "| fault | records in | successes | DLQ | lost | duplicates | note |"
+    header = "| fault | records in | successes | DLQ | lost | duplicates (of them in the DLQ) | note |"
     lines = [header, "|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r.fault} | {r.records} | {r.successes} | {r.dlq} | {r.lost} | {r.duplicates} | {r.note} |"
-              for r in rows]
+    lines += [f"| {r.fault} | {r.records} | {r.successes} | {r.dlq} | {r.lost} | {r.duplicates} ({r.duplicate_dlq}) "
+              f"| {r.note} |" for r in rows]
     record("fault suite" + (" (quick)" if args.quick else ""), lines)
     bad = [r for r in rows if r.lost != 0 or "ERROR" in r.note or "exited" in r.note]
     return 1 if bad else 0
