@@ -177,8 +177,12 @@ class DlqPublisher:
         try:
             while not stop.is_set():
                 self.wake.clear()
+                sent = 0
                 with contextlib.suppress(StoreError):
-                    await self.publish_due()
+                    sent = await self.publish_due()
+                if sent >= self.batch:
+                    await asyncio.sleep(0)  # a full batch: more may wait in the outbox, go on at once
+                    continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(_first(self.wake, stop), 1.0)
         finally:
