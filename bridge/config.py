@@ -185,7 +185,6 @@ class TelemetryConfig(_Model):
 class EngineConfig(_Model):
     instance_id: str | None = None
     sweep_interval: PositiveDuration = 1.0
-    poll_interval: PositiveDuration = 0.05
     grace_period: Duration = 10.0
     handler_modules: list[str] = Field(default_factory=lambda: ["handlers"])
 

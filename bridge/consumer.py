@@ -95,10 +95,6 @@ class SourceConsumer:
     def store_healthy(self) -> bool:
         return self._store_healthy
 
-    @property
-    def assignment(self) -> set[TP]:
-        return set(self._assigned)
-
     # ---- the loop ------------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:

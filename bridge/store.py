@@ -14,7 +14,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,7 +71,6 @@ class _Stats:
     batches: int = 0
     ops: int = 0
     largest_batch: int = 0
-    by_queue_status: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 _UNWRITABLE = {8, 10, 13, 14}  # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
