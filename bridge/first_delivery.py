@@ -48,6 +48,7 @@ class FirstDelivery:
         """Done when this returns. Returns the status of the stored task, or None on success."""
         queue = self.config.queue(queue_name)
         headers = record.task_headers()
+        self.telemetry.metrics.record_seen(queue_name)  # every record, however it is handled
         if queue is None:
             reason = ErrorInfo(UNROUTABLE, f"topic {record.topic} has no queue in the configuration")
             return await self._store(self._dead_task(record, queue_name, "", headers, reason, None))
@@ -66,7 +67,6 @@ class FirstDelivery:
         # The task id is made only if used: read by the handler (to dedupe), or for a failure's task.
         ctx = HandlerContext(new_task_id, queue_name, 1, 0, record.value, record.content_type, headers)
         telemetry = self.telemetry
-        telemetry.metrics.record_seen(queue_name)
         with telemetry.consume_span(record, queue_name, headers):
             started = self.clock.now_ms()
             with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
@@ -128,19 +128,11 @@ class FirstDelivery:
     def _crashed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig,
                       headers: dict[str, str]) -> NewTask:
         """The bridge died while this record's first delivery ran: attempt 1 is LEASE_EXPIRED (poison pill)."""
-        now = self.clock.now_ms()
         error = ErrorInfo(LEASE_EXPIRED, "the bridge stopped while this record's first delivery was running")
-        decision = decide(queue, Outcome.RETRYABLE_FAILURE, 1)
-        dead = decision.retry_after is None
         handler = self.registry.get(queue.handler)
-        return NewTask(
-            queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
-            status=Status.DEAD if dead else Status.PENDING, created_at=now,
-            first_attempt=Attempt(1, 0, now, now, Outcome.LEASE_EXPIRED, error, self.worker),
-            next_attempt_at=None if dead else now + int(decision.retry_after * 1000),  # type: ignore[operator]
-            dead_reason=error if dead else None, handler_version=handler.version if handler else None,
-            payload_content_type=record.content_type,
-        )  # fmt: skip
+        return self._failed_task(record, queue_name, queue, headers, new_task_id(),
+                                 handler.version if handler else None, self.clock.now_ms(),
+                                 RunOutcome(Outcome.LEASE_EXPIRED, error))
 
     def _dead_task(self, record: SourceRecord, queue_name: str, handler_ref: str, headers: dict[str, str],
                    reason: ErrorInfo, attempt: Attempt | None) -> NewTask:
