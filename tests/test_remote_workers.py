@@ -4,6 +4,7 @@ results (SPEC §8.2, §4.5), tokens."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import subprocess
@@ -31,6 +32,7 @@ TOKEN = "worker-token"
 class Bench:
     def __init__(self, engine: Engine, server: WorkerServer) -> None:
         self.engine, self.server, self.store = engine, server, engine.store
+        self.offsets = itertools.count()
 
     @property
     def tcp(self) -> str:
@@ -42,7 +44,9 @@ class Bench:
 
     async def submit(self, payload: dict[str, Any]) -> str:
         now = self.engine.clock.now_ms()
-        task = NewTask("r", "remote-example", json.dumps(payload).encode(), {"rdq.source": f"kafka://t/0/{now}"},
+        # A distinct source per task: tasks are unique per source record, and two submits can share a millisecond.
+        source = f"kafka://t/0/{next(self.offsets)}"
+        task = NewTask("r", "remote-example", json.dumps(payload).encode(), {"rdq.source": source},
                        Status.PENDING, now, None, next_attempt_at=now)
         task_id = await self.store.submit(task)
         self.engine.scheduler.wake("r")
