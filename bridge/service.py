@@ -42,8 +42,12 @@ log = logging.getLogger(__name__)
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, live: LiveConfig) -> None:
+    received = 0  # signals, not `stop`: a stop begun by the bridge itself still gets a graceful first signal
+
     def on_stop(signum: int) -> None:
-        if stop.is_set():
+        nonlocal received
+        received += 1
+        if received > 1:
             log.warning("second %s: exiting now", signal.Signals(signum).name)
             os._exit(130)
         log.info("%s: stopping gracefully (again to force)", signal.Signals(signum).name)
