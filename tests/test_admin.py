@@ -206,7 +206,9 @@ async def test_set_policy_changes_what_queued_tasks_do(kafka: KafkaEnv, tmp_path
         assert not bad[0]["ok"] and bad[0]["error"]["type"] == "rdq.admin.InvalidArgs"
         settings_ = await bridge.store.queue_settings()
         assert settings_["q"][0] == {"max_attempts": 2, "backoff": {"kind": "fixed", "base": "10ms"}}  # persisted
-    assert len(switch.calls) == 2  # first delivery, then attempt 2 was the last under the new policy
+    # Under the file's policy it would run 50 times. It died at the first failure after the change: attempt 2,
+    # or attempt 3 when attempt 2 (2 s after the first) ran before the command reached the bridge.
+    assert len(switch.calls) in (2, 3)
 
 
 class RawAdmin:

@@ -64,8 +64,10 @@ def test_rdq_run_starts_and_stops_gracefully(kafka: KafkaEnv, tmp_path: Path, un
     try:
         err.wait_for("started", proc)
         proc.send_signal(sig)
-        assert proc.wait(30) == 0
-        assert "stopped" in err.finish()
+        code = proc.wait(30)
+        text = err.finish()
+        assert code == 0, text
+        assert "stopped" in text
         assert (tmp_path / "rdq.db").exists()
     finally:
         proc.kill()
