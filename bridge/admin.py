@@ -220,7 +220,8 @@ class AdminLoop:
         consumer: Consumer = await self._call(self._consumer_factory)
         self._producer = self._producer_factory()
         try:
-            await self._call(self._assign_all, consumer)
+            if not await self._assign_when_ready(consumer, stop):
+                return
             while not stop.is_set():
                 for msg in await self._call(consumer.consume, 100, 0.2):
                     if msg.error() is None:
@@ -232,15 +233,36 @@ class AdminLoop:
             await self._call(consumer.close)
             self._thread.shutdown(wait=False)
 
-    def _assign_all(self, consumer: Consumer) -> None:
+    async def _assign_when_ready(self, consumer: Consumer, stop: asyncio.Event) -> bool:
+        """Assign the admin topic; while it is missing or the broker is away, say so and try again (a missing
+        admin topic must not stop the bridge). False when stopped first."""
+        warned = False
+        while not stop.is_set():
+            try:
+                if await self._call(self._assign_all, consumer):
+                    return True
+                problem = f"admin topic {self.admin.topic!r} does not exist"
+            except KafkaException as e:
+                problem = f"cannot assign admin topic {self.admin.topic!r}: {e}"
+            if not warned:
+                log.error("%s; admin commands are not read until it can be (retrying)", problem)
+                warned = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 5.0)
+        return False
+
+    def _assign_all(self, consumer: Consumer) -> bool:
         """Every partition, from the records of the last staleness window: commands issued while this instance
-        restarted still run (replays are refused by request id)."""
+        restarted still run (replays are refused by request id). False when the topic has no partitions."""
         topic = self.admin.topic
-        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if metadata is None or metadata.error is not None or not metadata.partitions:
+            return False
         since = self._now_ms() - self.window_ms
-        wanted = [TopicPartition(topic, p, since) for p in partitions]
+        wanted = [TopicPartition(topic, p, since) for p in metadata.partitions]
         offsets = consumer.offsets_for_times(wanted, timeout=30)
         consumer.assign([TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else -1) for o in offsets])
+        return True
 
     async def handle(self, value: bytes | None, headers: list[tuple[str, bytes | None]]) -> None:
         """One admin record → its replies. Never raises: a bad record is refused, the loop goes on."""
