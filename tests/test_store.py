@@ -180,6 +180,23 @@ async def test_late_success_on_a_requeued_pending_task(store: Store) -> None:
     assert task is not None and task.attempt_count == len(task.attempts) == 3
 
 
+async def test_a_forged_token_finishes_nothing(store: Store) -> None:
+    """Fencing: only a token really issued for the task (1..current) can carry a late success."""
+    never_claimed = await store.submit(failure())
+    for forged in (0, -1, 1, 2**40):
+        result = await store.record_success(never_claimed, forged, 1, report(Outcome.SUCCESS))
+        assert not result.accepted, forged
+    task = await store.get(never_claimed)
+    assert task is not None and task.status == Status.PENDING and len(task.attempts) == 1
+    running = await store.submit(failure(queue="r"))
+    _, token = await claim_one(store, queue="r")
+    for forged in (0, token + 1, token + 1000):
+        assert not (await store.record_success(running, forged, 2, report(Outcome.SUCCESS))).accepted, forged
+    task = await store.get(running)
+    assert task is not None and task.status == Status.IN_FLIGHT and task.lease_token == token
+    assert (await store.record_success(running, token, 2, report(Outcome.SUCCESS))).accepted  # the holder's own
+
+
 async def test_late_failure_is_discarded(store: Store) -> None:
     task_id = await store.submit(failure())
     _, token = await claim_one(store)

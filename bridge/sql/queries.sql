@@ -51,12 +51,14 @@ RETURNING attempt_count, redrive_count;
 
 -- name: finish_late_success
 -- A stale holder's success still counts while nothing finished the task (first result wins, SPEC §4.5).
+-- Fencing: the token must be one this store really issued for this task (1..lease_token): a forged 0, a
+-- negative or a future token changes nothing. (The current holder's own token goes through finish_success.)
 -- From PENDING it is one more attempt; from IN_FLIGHT it takes the current holder's attempt number.
 UPDATE tasks
    SET attempt_count = attempt_count + (status = 'PENDING'),
        status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now
- WHERE id = :id AND status IN ('PENDING', 'IN_FLIGHT') AND lease_token >= :token
+ WHERE id = :id AND status IN ('PENDING', 'IN_FLIGHT') AND :token >= 1 AND :token <= lease_token
 RETURNING attempt_count, redrive_count;
 
 -- name: reschedule
