@@ -38,8 +38,11 @@ def parse_duration(value: Any) -> Any:
     return value
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
-PositiveDuration = Annotated[float, BeforeValidator(parse_duration), Field(gt=0)]
+# Bounded so that no duration can overflow a millisecond timestamp (SQLite INTEGER) or be NaN/infinite.
+MAX_DURATION = 100 * 365 * 86400.0
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=MAX_DURATION, allow_inf_nan=False)]
+PositiveDuration = Annotated[float, BeforeValidator(parse_duration),
+                             Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)]
 
 
 class _Model(BaseModel):
@@ -79,7 +82,12 @@ class BackoffConfig(_Model):
     base: Duration = 1.0
     factor: float = Field(default=2.0, ge=1.0)
     max: Duration = 300.0
-    jitter: Literal["none", "full"] = "full"
+    # Unset: by kind. A fixed backoff waits what it says (`none`); an exponential one is fully jittered.
+    jitter: Literal["none", "full"] | None = None
+
+    @property
+    def effective_jitter(self) -> str:
+        return self.jitter or ("none" if self.kind == "fixed" else "full")
 
 
 class HeartbeatConfig(_Model):
@@ -113,6 +121,9 @@ class QueueConfig(_Model):
     errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
     version_mismatch: Literal["run-latest", "dead-letter"] = "run-latest"
     queue_timeout: PositiveDuration | None = None
+    # The longest delay a handler may ask for (`Retry(after=…)`, HTTP `Retry-After`, a worker's `retry_after`);
+    # a longer one is cut to this (and to queue_timeout).
+    max_retry_after: PositiveDuration = 86400.0
     task_ttl: Duration = 7 * 86400.0
     retain_from: Literal["finished", "fetched"] = "finished"
     dlq_topic: str | None = None

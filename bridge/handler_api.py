@@ -18,6 +18,9 @@ class Retry(Exception):
 
     def __init__(self, after: float | None = None, message: str = "retry requested") -> None:
         super().__init__(message)
+        if after is not None and not after >= 0:  # NaN fails this test too
+            raise ValueError(f"Retry(after={after!r}): a delay is a number of seconds >= 0")
+        # A delay past the queue's max_retry_after (or queue_timeout) is cut to it when the retry is scheduled.
         self.after = after
 
 

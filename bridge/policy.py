@@ -5,6 +5,7 @@ The policy is never stored on a task: it is resolved from the live queue config 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def backoff_delay(backoff: BackoffConfig, attempt: int, rand: Callable[[], float
         # Cap the exponent so a huge attempt count cannot overflow a float before `max` applies.
         delay = backoff.base * backoff.factor ** min(attempt - 1, 1000)
     delay = min(delay, backoff.max)
-    if backoff.jitter == "full":
+    if backoff.effective_jitter == "full":
         delay *= rand()
     return delay
 
@@ -63,11 +64,22 @@ def classify(exc: BaseException, errors: ErrorsConfig) -> Outcome:
     return Outcome.PERMANENT_FAILURE if errors.default == "permanent" else Outcome.RETRYABLE_FAILURE
 
 
+def bounded_delay(queue: QueueConfig, requested: float | None) -> float | None:
+    """A delay a handler or a peer asked for, made safe: None when absent or not a number (NaN: the backoff
+    applies), at least 0, at most `max_retry_after` and `queue_timeout` (an infinite or huge value must not
+    overflow a timestamp, nor park a task past its whole-life bound)."""
+    if requested is None or not isinstance(requested, int | float) or math.isnan(requested):
+        return None
+    ceiling = min(queue.max_retry_after, queue.queue_timeout or math.inf)
+    return min(max(0.0, float(requested)), ceiling)
+
+
 def decide(queue: QueueConfig, outcome: Outcome, attempt_count: int, requested_delay: float | None = None,
            rand: Callable[[], float] = random.random) -> Decision:
     """After a failed attempt: retry (when attempts remain) or dead-letter."""
     if outcome == Outcome.PERMANENT_FAILURE or attempt_count >= queue.max_attempts:
         return DEAD
-    if requested_delay is not None:
-        return Decision(max(0.0, requested_delay))
+    delay = bounded_delay(queue, requested_delay)
+    if delay is not None:
+        return Decision(delay)
     return Decision(backoff_delay(queue.backoff, attempt_count, rand))

@@ -273,10 +273,10 @@ class Store:
                              [t.first_attempt.params(t.id) for t in tasks if t.first_attempt is not None])
             conn.execute("RELEASE bulk")
             return True
-        except sqlite3.Error:
+        except Exception:  # sqlite3.Error, or e.g. OverflowError binding a value too large for an INTEGER
             if not conn.in_transaction:
                 raise  # SQLite rolled the whole transaction back (e.g. SQLITE_FULL): the batch fails as one
-            # A bad row (e.g. a duplicate id) fails alone on the one-by-one path.
+            # A bad row (a duplicate id, a value SQLite cannot hold) fails alone on the one-by-one path.
             conn.execute("ROLLBACK TO bulk")
             conn.execute("RELEASE bulk")
             return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -12,9 +13,11 @@ import pytest
 import yaml
 
 from bridge.engine import Engine
+from bridge.first_delivery import FirstDelivery
 from bridge.handler_api import HandlerContext, Permanent, Retry
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status, Task
+from bridge.records import SourceRecord
 from bridge.registry import Registry
 from bridge.store import Store
 from tests.helpers import engine_config, failure
@@ -328,3 +331,27 @@ async def test_a_hung_handler_frees_its_slot_once_its_lease_lapses(h: Harness) -
     dead = await h.wait_status(hung, Status.DEAD)
     assert dead.dead_reason is not None and dead.dead_reason.type == "rdq.LeaseExpired"
     assert done.attempt_count == 2
+
+
+@pytest.mark.parametrize("asked", [math.inf, 1e30, 2.0**70])
+async def test_a_huge_requested_delay_is_capped_on_first_delivery_and_retry(h: Harness, asked: float) -> None:
+    """Retry(after=inf / 1e30) overflowed SQLite's INTEGER: the batch failed, the store was declared unwritable
+    and (through Kafka) the record re-ran every second. Now the delay is cut to max_retry_after."""
+    def greedy(ctx: HandlerContext) -> None:
+        raise Retry(after=asked)
+
+    h.registry.register("greedy", greedy)
+    engine = await h.start(q={"handler": "greedy", "max_retry_after": "90s", "max_attempts": 9, **FAST})
+    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.executor, "test-1")
+    record = SourceRecord("t", 0, 7, None, b"{}", 1, ())
+    before = engine.clock.now_ms()
+    assert await delivery.handle(record, "q") == Status.PENDING
+    [stored] = await engine.store.list_tasks("q")
+    assert stored.next_attempt_at is not None and before + 90_000 <= stored.next_attempt_at <= before + 91_000
+    assert engine.store.writable
+    retried = await h.submit(handler="greedy")  # due now: the scheduler runs it and it asks again
+    task = await h.wait_status(retried, Status.PENDING)
+    while task.attempt_count < 2:
+        task = await h.wait_status(retried, Status.PENDING)
+    assert task.next_attempt_at is not None and task.next_attempt_at - engine.clock.now_ms() <= 90_000
+    assert task.next_attempt_at - engine.clock.now_ms() > 80_000

@@ -385,3 +385,16 @@ async def test_first_delivery_journal(store: Store) -> None:
     assert await store.journal_suspects("run-2") == [("t", 0, 15, 30)]
     await store.journal_forget_run("run-1")
     assert await store.journal_suspects("run-2") == []
+
+
+async def test_one_unstorable_task_fails_alone_not_its_batch_nor_the_store(store: Store) -> None:
+    """A value SQLite cannot hold (a due time past INTEGER) fails its own submit only: the others of the same
+    group commit are stored and the store stays writable (it was: the whole batch failed, store unhealthy)."""
+    good = [failure() for _ in range(5)]
+    bad = failure(due_in_ms=2**70)
+    results = await asyncio.gather(*(store.submit(t) for t in [*good[:2], bad, *good[2:]]), return_exceptions=True)
+    assert store.stats.largest_batch >= 6  # they were one transaction
+    assert isinstance(results[2], StoreError)
+    assert [r for i, r in enumerate(results) if i != 2] == [t.id for t in good]
+    assert store.writable
+    assert [await store.get(t.id) is not None for t in good] == [True] * 5
