@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
 from bridge.clock import Clock, SystemClock
 from bridge.live_config import LiveConfig
@@ -16,6 +15,7 @@ from bridge.scheduler import Scheduler
 from bridge.store import Store
 from bridge.sweep import Sweeper
 from bridge.telemetry import Telemetry
+from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +26,26 @@ def default_instance_id() -> str:
 
 class Engine:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock | None = None,
-                 instance_id: str | None = None, executor: ThreadPoolExecutor | None = None,
-                 telemetry: Telemetry | None = None) -> None:
+                 instance_id: str | None = None, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
         self.clock = clock or SystemClock()
         self.instance_id = instance_id or config.current.engine.instance_id or default_instance_id()
         self.telemetry = telemetry or Telemetry()
-        threads = sum(q.concurrency for q in config.current.queues.values()) + 8
-        self.executor = executor or ThreadPoolExecutor(max_workers=min(threads, 256), thread_name_prefix="rdq-handler")
+        # Sync handlers run on threads of their own queue: one queue's hung handler cannot starve the others.
+        self.threads = HandlerThreads(self._threads_for,
+                                      lambda queue, n: self.telemetry.metrics.threads_stuck.labels(queue).set(n))
         # Set whenever a task goes DEAD: the DLQ publisher wakes on it.
         self.dead_event = asyncio.Event()
-        self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.executor,
+        self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.threads,
                                    on_dead=self._on_dead, telemetry=self.telemetry)
         self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change, telemetry=self.telemetry)
+
+    def _threads_for(self, name: str) -> int:
+        """A queue's retries (`concurrency`) plus one partition's first deliveries (`partition_concurrency`)."""
+        queue = self.config.queue(name)
+        return (queue.concurrency if queue else 8) + self.config.current.kafka.partition_concurrency
 
     def _on_dead(self, task: Task) -> None:
         self.dead_event.set()
@@ -104,7 +109,7 @@ class Engine:
         await supervise(self.parts(stop), stop)
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown()
 
 
 async def supervise(parts: list[asyncio.Task[None]], stop: asyncio.Event) -> None:

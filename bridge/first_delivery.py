@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 
 from bridge.clock import Clock
 from bridge.config import QueueConfig
@@ -20,24 +19,25 @@ from bridge.model import LEASE_EXPIRED, TIMEOUT, UNROUTABLE, Attempt, ErrorInfo,
 from bridge.policy import decide
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.runner import RunOutcome, outcome_of, start_handler
+from bridge.runner import RunOutcome, Started, outcome_of, start_handler
 from bridge.store import Store, StoreError
 from bridge.telemetry import Telemetry
+from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
 
 
 class FirstDelivery:
-    def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock, executor: Executor | None,
-                 worker: str, on_dead: Callable[[str], None] | None = None,
+    def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock,
+                 threads: HandlerThreads | None, worker: str, on_dead: Callable[[str], None] | None = None,
                  on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None,
                  on_pending: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
         self.clock = clock
-        self.executor = executor
+        self.threads = threads
         self.worker = worker
         self.on_dead = on_dead
         self.on_store_health = on_store_health
@@ -70,10 +70,11 @@ class FirstDelivery:
         with telemetry.consume_span(record, queue_name, headers):
             started = self.clock.now_ms()
             with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
-                running = await start_handler(handler, ctx, self.executor)
+                pool = self.threads.pool(queue_name) if self.threads is not None and not handler.is_async else None
+                running = start_handler(handler, ctx, pool)
                 ended = await self._within_lease(running, ctx, queue.lease, queue.queue_timeout)
                 if ended == "done":
-                    result = outcome_of(running, queue.errors)
+                    result = outcome_of(running.future, queue.errors)
                 elif ended == "silent":
                     result = RunOutcome(Outcome.LEASE_EXPIRED, ErrorInfo(
                         LEASE_EXPIRED, f"first delivery ran a whole lease ({queue.lease:g}s) without a heartbeat; "
@@ -89,14 +90,14 @@ class FirstDelivery:
                                                        handler.version, started, result))
 
     @staticmethod
-    async def _within_lease(running: asyncio.Future[None], ctx: HandlerContext, lease: float,
+    async def _within_lease(running: Started, ctx: HandlerContext, lease: float,
                             queue_timeout: float | None) -> str:
         """Wait for the handler while it heartbeats at least once per lease, within the queue timeout.
         "done"; "silent": no heartbeat for a whole lease (hung); "timeout": past queue_timeout. Silent or timed
         out, it is abandoned, so one stuck record cannot hold its partition's slot forever."""
         began = time.monotonic()
         while True:
-            done, _ = await asyncio.wait([running], timeout=lease)
+            done, _ = await asyncio.wait([running.future], timeout=lease)
             if done:
                 return "done"
             now = time.monotonic()
@@ -107,7 +108,9 @@ class FirstDelivery:
             else:
                 continue
             ctx.lose_lease()  # a sync handler learns at its next heartbeat()
-            running.cancel()  # an async one stops now
+            # An async one stops now; a sync one's thread is counted stuck until it returns. Its success, if it
+            # comes, is not recorded: the record's task was never claimed, so it has no fencing token to carry.
+            running.abandon()
             return ended
 
     def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],

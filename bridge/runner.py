@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from bridge.handler_api import HandlerContext, LeaseLost, Retry
 from bridge.model import ErrorInfo, Outcome
 from bridge.policy import classify
 from bridge.registry import Handler
+from bridge.threads import QueuePool
 
 _STACK_LIMIT = 16_000
 
@@ -40,14 +41,38 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return ErrorInfo.from_exception(exc, stack)
 
 
-async def start_handler(handler: Handler, ctx: HandlerContext, executor: Executor | None) -> asyncio.Future[None]:
-    """Start the handler: async ones as a task on the loop, sync ones in the thread pool."""
-    loop = asyncio.get_running_loop()
+@dataclass
+class Started:
+    """A running handler: `future` to await; for a sync handler, also its call in the queue's thread pool."""
+
+    future: asyncio.Future[None]
+    call: concurrent.futures.Future[Any] | None = None
+    pool: QueuePool | None = None
+
+    def abandon(self, on_late_success: Callable[[], object] | None = None) -> None:
+        """Give up on this run: an async handler is cancelled; a sync one cannot be, so its thread is counted
+        stuck until it returns, and if it then succeeds `on_late_success` is called (from that thread)."""
+        self.future.cancel()
+        if self.call is None or self.pool is None or not self.pool.abandon(self.call):
+            return
+        if on_late_success is not None:
+            def finished(call: concurrent.futures.Future[Any]) -> None:
+                if not call.cancelled() and call.exception() is None:
+                    on_late_success()
+
+            self.call.add_done_callback(finished)
+
+
+def start_handler(handler: Handler, ctx: HandlerContext, pool: QueuePool | None) -> Started:
+    """Start the handler: async ones as a task on the loop, sync ones in the queue's threads."""
     if handler.is_async:
-        return asyncio.ensure_future(handler.fn(ctx))  # type: ignore[arg-type]
-    # run_in_executor does not carry context variables: copy them, so the attempt's span is current in the thread.
+        return Started(asyncio.ensure_future(handler.fn(ctx)))  # type: ignore[arg-type]
+    # Threads do not inherit context variables: copy them, so the attempt's span is current in the thread.
     call: Callable[[], Any] = functools.partial(contextvars.copy_context().run, handler.fn, ctx)
-    return loop.run_in_executor(executor, call)
+    if pool is None:
+        return Started(asyncio.get_running_loop().run_in_executor(None, call))
+    running = pool.submit(call)
+    return Started(asyncio.wrap_future(running), running, pool)
 
 
 def outcome_of(running: asyncio.Future[None], errors: ErrorsConfig) -> RunOutcome:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from bridge.clock import Clock
@@ -21,10 +21,11 @@ from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import UNROUTABLE, VERSION_MISMATCH, ErrorInfo, Outcome, Task
 from bridge.policy import decide
-from bridge.registry import Registry
-from bridge.runner import RunOutcome, outcome_of, start_handler
+from bridge.registry import Handler, Registry
+from bridge.runner import RunOutcome, Started, outcome_of, start_handler
 from bridge.store import Result, RunReport, Store, StoreError
 from bridge.telemetry import Telemetry
+from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _MAX_IDLE = 1.0
@@ -34,21 +35,21 @@ _MAX_IDLE = 1.0
 class _Execution:
     task: Task
     ctx: HandlerContext | None = None
-    running: asyncio.Future[None] | None = None
+    running: Started | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task[None] | None = None  # referenced here so the event loop cannot collect it
 
 
 class Scheduler:
     def __init__(self, store: Store, registry: Registry, config: LiveConfig, clock: Clock, instance_id: str,
-                 executor: Executor | None = None, on_dead: Callable[[Task], None] | None = None,
+                 threads: HandlerThreads | None = None, on_dead: Callable[[Task], None] | None = None,
                  rand: Callable[[], float] = random.random, telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
         self.clock = clock
         self.instance_id = instance_id
-        self.executor = executor
+        self.threads = threads
         self.on_dead = on_dead
         self.rand = rand
         self.telemetry = telemetry or Telemetry()
@@ -56,6 +57,7 @@ class Scheduler:
         self._running: dict[str, _Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._slot_freed: dict[str, asyncio.Event] = {}
+        self._late: set[asyncio.Task[Result]] = set()  # late successes of abandoned sync handlers, being recorded
         self._stopping = False
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -129,6 +131,9 @@ class Scheduler:
         if queue is None or self._stopping:
             return 0
         free = queue.concurrency - self.running_count(name)
+        handler = self.registry.get(queue.handler)
+        if handler is not None and not handler.is_async and self.threads is not None:
+            free = min(free, self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
         if free <= 0:
             return 0
         owner = f"{self.instance_id}"
@@ -162,40 +167,50 @@ class Scheduler:
         handler = self.registry.get(task.handler_ref)
         if queue is None:
             return  # queue removed by a reload: leave the lease to lapse; the task is kept
-        if handler is None:
-            reason = ErrorInfo(UNROUTABLE, f"no handler registered as {task.handler_ref!r} on {self.instance_id}")
-            await self._finish_dead(task, RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, reason,
-                                                    self.instance_id), reason)
+        refusal = self._refusal(task, handler, queue)
+        if refusal is not None:
+            report = RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, refusal, self.instance_id)
+            await self._finish_dead(task, report, refusal)
             return
-        if (task.handler_version and handler.version and task.handler_version != handler.version
-                and queue.version_mismatch == "dead-letter"):
-            reason = ErrorInfo(VERSION_MISMATCH, f"task pinned to {task.handler_ref}@{task.handler_version}, "
-                                                 f"registered version is {handler.version}")
-            await self._finish_dead(task, RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, reason,
-                                                    self.instance_id), reason)
-            return
+        assert handler is not None
         ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
                              task.payload_content_type, task.headers)
         execution.ctx = ctx
         with self.telemetry.attempt_span(task, task.queue, task.attempt_count, task.headers) as span:
-            execution.running = await start_handler(handler, ctx, self.executor)
-            keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running))
+            pool = self.threads.pool(task.queue) if self.threads is not None and not handler.is_async else None
+            execution.running = start_handler(handler, ctx, pool)
+            keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running, started))
             try:
-                await asyncio.wait([execution.running])
+                await asyncio.wait([execution.running.future])
             finally:
                 keeper.cancel()
-            result = outcome_of(execution.running, queue.errors)
+            result = outcome_of(execution.running.future, queue.errors)
             self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
         self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
         await self.record(task, queue, started, result)
 
-    async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig,
-                          running: asyncio.Future[None]) -> None:
+    def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:
+        """Why the task must not run here at all: no such handler, or a version pin this handler does not meet.
+
+        A pin is met only by a handler registered with that very version: one registered without a version
+        cannot prove it runs the pinned code, so under `dead-letter` it is a mismatch too (`run-latest` runs it).
+        A task without a pin runs on whatever is registered."""
+        if handler is None:
+            return ErrorInfo(UNROUTABLE, f"no handler registered as {task.handler_ref!r} on {self.instance_id}")
+        if (task.handler_version is not None and task.handler_version != handler.version
+                and queue.version_mismatch == "dead-letter"):
+            registered = handler.version or "registered without a version"
+            return ErrorInfo(VERSION_MISMATCH, f"task pinned to {task.handler_ref}@{task.handler_version}, "
+                                               f"registered version is {registered}")
+        return None
+
+    async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig, running: Started,
+                          started: int) -> None:
         """Every heartbeat interval: extend the lease if the handler beat since the last check. A handler that
         stays silent until its lease lapses is abandoned too: its slot must not be held by a hung handler."""
         checked = ctx.last_beat
         expires = task.lease_expires_at or self.clock.now_ms() + int(queue.lease * 1000)
-        while not running.done():
+        while not running.future.done():
             await asyncio.sleep(queue.heartbeat_interval)
             now = self.clock.now_ms()
             if ctx.last_beat == checked:
@@ -208,9 +223,25 @@ class Scheduler:
                 expires = now + int(queue.lease * 1000)
             if lost:
                 log.warning("lease lost; abandoning the attempt", extra={"task_id": task.id, "queue": task.queue})
-                ctx.lose_lease()
-                running.cancel()  # async handlers stop here; a sync one learns at its next heartbeat()
+                ctx.lose_lease()  # a sync handler learns at its next heartbeat()
+                running.abandon(functools.partial(asyncio.get_running_loop().call_soon_threadsafe,
+                                                  self._late_success, task, started))
                 return
+
+    def _late_success(self, task: Task, started: int) -> None:
+        """An abandoned sync handler returned after all: offer its success to the store under its own token.
+        Accepted while the task is not terminal (first result wins, SPEC §4.5); refused otherwise."""
+        queue = self.config.queue(task.queue)
+        if queue is None:
+            return
+        recording = asyncio.ensure_future(self.record(task, queue, started, RunOutcome(Outcome.SUCCESS)))
+        self._late.add(recording)
+        recording.add_done_callback(self._late_recorded)
+
+    def _late_recorded(self, recording: asyncio.Task[Result]) -> None:
+        self._late.discard(recording)
+        if not recording.cancelled() and recording.exception() is not None:
+            log.error("could not record a late success: %s", recording.exception())
 
     async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
                      worker: str | None = None) -> Result:
@@ -222,6 +253,8 @@ class Scheduler:
             outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
             if outcome.accepted:
                 self.telemetry.metrics.time_to_success.labels(task.queue).observe((now - task.created_at) / 1000)
+            if outcome.late or not outcome.accepted:
+                self.telemetry.metrics.late_successes.labels(task.queue, str(outcome.accepted).lower()).inc()
         elif result.lease_lost and result.outcome != Outcome.SUCCESS:
             return Result(False)  # abandoned after losing the lease: the task's holder now records its outcome
         else:
@@ -273,7 +306,7 @@ class Scheduler:
             if execution.ctx is not None:
                 execution.ctx.lose_lease()
             if execution.running is not None:
-                execution.running.cancel()
+                execution.running.abandon()
             try:
                 if await self.store.release(execution.task.id, execution.task.lease_token, self.clock.now_ms()):
                     released += 1

@@ -82,7 +82,7 @@ class Bridge:
         self.engine = Engine(store, self.live, registry, instance_id=instance_id, telemetry=self.telemetry)
         self.run_id = f"{self.engine.instance_id}-{new_task_id()}"
         grace = config.engine.grace_period
-        self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.executor,
+        self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.threads,
                                       self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
                                       telemetry=self.telemetry, on_pending=self.engine.scheduler.wake)
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,

@@ -39,6 +39,7 @@ class Result:
     accepted: bool
     status: Status | None = None
     attempt_no: int | None = None
+    late: bool = False  # a success accepted from a stale holder (first result wins, SPEC §4.5)
 
 
 @dataclass(frozen=True)
@@ -336,7 +337,7 @@ class Store:
                     return Result(False)
                 late_of = attempt_no
             conn.execute(q("insert_attempt"), _attempt_params(task_id, report, got[0], got[1], late_of))
-            return Result(True, Status.SUCCEEDED, got[0])
+            return Result(True, Status.SUCCEEDED, got[0], late=late_of is not None)
 
         return await self._submit(finish)
 

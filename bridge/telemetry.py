@@ -52,6 +52,10 @@ class Metrics:
         self.time_to_success = Histogram("rdq_time_to_success_seconds",
                                          "From a task's creation (first failure) to its success",
                                          ["queue"], buckets=_TIME_TO_SUCCESS_BUCKETS, registry=r)
+        self.late_successes = Counter("rdq_late_successes", "Successes from a stale lease holder, by whether the "
+                                      "store accepted them (SPEC §4.5)", ["queue", "accepted"], registry=r)
+        self.threads_stuck = Gauge("rdq_handler_threads_stuck", "Sync handler threads still running a call that "
+                                   "was abandoned (lease lost, silent, timed out)", ["queue"], registry=r)
         self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
         # Label children resolved once: the per-record path skips prometheus' label lookup.
         self._attempt_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}

@@ -53,6 +53,7 @@ def test_retry_refuses_a_negative_or_nan_delay(bad: float) -> None:
 
 @pytest.mark.parametrize("bad", [".inf", "1e300", "-1", ".nan"])
 def test_durations_cannot_be_infinite_huge_or_negative(bad: str) -> None:
-    tree = yaml.safe_load(f"{{kafka: {{bootstrap_servers: x}}, queues: {{q: {{handler: h, backoff: {{max: {bad}}}}}}}}}")
+    tree = {"kafka": {"bootstrap_servers": "x"},
+            "queues": {"q": {"handler": "h", "backoff": {"max": yaml.safe_load(bad)}}}}
     with pytest.raises(ConfigError, match=r"queues\.q\.backoff\.max"):
         parse_config(tree)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -168,6 +169,15 @@ async def test_version_mismatch_policy(h: Harness, policy: str, expected: Status
     assert matching.attempt_count == 2
 
 
+async def test_a_pin_is_not_met_by_a_handler_registered_without_a_version(h: Harness) -> None:
+    h.registry.register("unversioned", lambda ctx: None)
+    await h.start(q={"handler": "unversioned", "version_mismatch": "dead-letter", **FAST})
+    pinned = await h.wait_status(await h.submit(handler="unversioned", version="v3"), Status.DEAD)
+    assert pinned.dead_reason is not None and pinned.dead_reason.type == "rdq.HandlerVersionMismatch"
+    assert "registered without a version" in pinned.dead_reason.message
+    await h.wait_status(await h.submit(handler="unversioned"), Status.SUCCEEDED)  # no pin: runs
+
+
 async def test_heartbeats_keep_a_long_handler_past_its_lease(h: Harness) -> None:
     async def long(ctx: HandlerContext) -> None:
         for _ in range(12):
@@ -180,18 +190,43 @@ async def test_heartbeats_keep_a_long_handler_past_its_lease(h: Harness) -> None
     assert [a.outcome for a in task.attempts] == [Outcome.RETRYABLE_FAILURE, Outcome.SUCCESS]
 
 
-async def test_a_silent_handler_loses_its_lease_to_the_sweep(h: Harness) -> None:
+def late_successes(engine: Engine, accepted: bool) -> float:
+    value = engine.telemetry.metrics.registry.get_sample_value(
+        "rdq_late_successes_total", {"queue": "q", "accepted": str(accepted).lower()})
+    return value or 0.0
+
+
+async def test_a_silent_handler_loses_its_lease_and_its_late_success_is_refused_once_dead(h: Harness) -> None:
     def silent(ctx: HandlerContext) -> None:
         time.sleep(0.8)  # no heartbeat: the lease lapses
 
     h.registry.register("silent", silent)
-    await h.start(q={"handler": "silent", "lease": "200ms", "max_attempts": 2, **FAST})
+    engine = await h.start(q={"handler": "silent", "lease": "200ms", "max_attempts": 2, **FAST})
     task = await h.wait_status(await h.submit(handler="silent"), Status.DEAD)
     assert task.dead_reason is not None and task.dead_reason.type == "rdq.LeaseExpired"
     assert task.attempts[-1].outcome == Outcome.LEASE_EXPIRED
-    await asyncio.sleep(1.0)  # the handler's late success arrives: the task is terminal, so it is refused
+    # The handler's late success arrives: it is offered to the store, which refuses it (the task is terminal).
+    deadline = time.monotonic() + 5
+    while late_successes(engine, accepted=False) < 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert late_successes(engine, accepted=False) == 1 and late_successes(engine, accepted=True) == 0
     after = await h.wait_status(task.id, Status.DEAD)
     assert after.attempts == task.attempts
+
+
+async def test_an_abandoned_sync_handlers_late_success_wins_while_the_task_is_pending(h: Harness) -> None:
+    """SPEC §4.5: the scheduler gives up on a silent sync handler; the sweep re-queues the task (LEASE_EXPIRED,
+    due in 30 s); the handler then returns: its success reaches the store and finishes the task."""
+    def silent(ctx: HandlerContext) -> None:
+        time.sleep(0.8)
+
+    h.registry.register("silent", silent)
+    engine = await h.start(q={"handler": "silent", "lease": "200ms", "max_attempts": 5,
+                              "backoff": {"kind": "fixed", "base": "30s"}})
+    task = await h.wait_status(await h.submit(handler="silent"), Status.SUCCEEDED)
+    assert [(a.outcome, a.late_result_of) for a in task.attempts] == [
+        (Outcome.RETRYABLE_FAILURE, None), (Outcome.LEASE_EXPIRED, None), (Outcome.SUCCESS, 2)]
+    assert late_successes(engine, accepted=True) == 1
 
 
 async def test_lost_lease_cancels_an_async_handler(h: Harness) -> None:
@@ -342,7 +377,7 @@ async def test_a_huge_requested_delay_is_capped_on_first_delivery_and_retry(h: H
 
     h.registry.register("greedy", greedy)
     engine = await h.start(q={"handler": "greedy", "max_retry_after": "90s", "max_attempts": 9, **FAST})
-    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.executor, "test-1")
+    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.threads, "test-1")
     record = SourceRecord("t", 0, 7, None, b"{}", 1, ())
     before = engine.clock.now_ms()
     assert await delivery.handle(record, "q") == Status.PENDING
@@ -355,3 +390,48 @@ async def test_a_huge_requested_delay_is_capped_on_first_delivery_and_retry(h: H
         task = await h.wait_status(retried, Status.PENDING)
     assert task.next_attempt_at is not None and task.next_attempt_at - engine.clock.now_ms() <= 90_000
     assert task.next_attempt_at - engine.clock.now_ms() > 80_000
+
+
+async def test_a_hung_sync_handler_cannot_starve_other_queues(h: Harness) -> None:
+    """A sync handler that blocks forever keeps its thread (a thread cannot be cancelled). Its threads are the
+    hung queue's own and counted stuck; the healthy queue keeps running (one shared pool was exhausted by the
+    hung queue's retries, and then healthy tasks died LEASE_EXPIRED)."""
+    release = threading.Event()
+
+    def hang(ctx: HandlerContext) -> None:
+        release.wait()  # no heartbeat, no end
+
+    calls = 0
+
+    def fine(ctx: HandlerContext) -> None:
+        nonlocal calls
+        calls += 1
+
+    h.registry.register("hang", hang)
+    h.registry.register("fine", fine)
+    engine = await h.start(hung={"handler": "hang", "lease": "100ms", "concurrency": 2, "max_attempts": 1000,
+                                 **FAST},
+                           ok={"handler": "fine", "concurrency": 2, **FAST})
+    try:
+        for _ in range(4):
+            await h.submit(queue="hung", handler="hang")
+        pool = engine.threads.pool("hung")
+        deadline = time.monotonic() + 20
+        while pool.stuck < 2 * pool.size and time.monotonic() < deadline:  # dozens of abandoned attempts
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # and no more than that
+        assert pool.stuck == 2 * pool.size  # the most it replaces, then the queue stalls itself
+        assert pool.free() == 0 and engine.scheduler.running_count("hung") == 0
+        stuck = engine.telemetry.metrics.registry.get_sample_value("rdq_handler_threads_stuck", {"queue": "hung"})
+        assert stuck == pool.stuck
+        ids = [await h.submit(queue="ok", handler="fine") for _ in range(20)]
+        for task_id in ids:
+            task = await h.wait_status(task_id, Status.SUCCEEDED, Status.DEAD)
+            assert task.status == Status.SUCCEEDED and [a.outcome for a in task.attempts][-1] == Outcome.SUCCESS
+        assert calls == 20
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while engine.threads.pool("hung").stuck and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.threads.pool("hung").stuck == 0  # released threads are counted back
