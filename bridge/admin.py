@@ -190,7 +190,8 @@ class AdminCommands:
 
     async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
         return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),
-                "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names()}
+                "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names(),
+                "dlq_stuck": await self.store.dlq_stuck(), "threads_stuck": self.engine.threads.stuck()}
 
 
 class AdminLoop:

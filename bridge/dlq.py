@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from bridge.clock import Clock
@@ -35,7 +35,8 @@ _STACK_KEEP = 1000
 _MESSAGE_KEEP = 1000
 _RECORD_OVERHEAD = 512  # record batch framing, generously
 _DEFAULT_TOPIC_LIMIT = 1_048_588
-_RETRY_FAILED_AFTER = 5.0
+_RETRY_FIRST = 5.0  # an outbox entry whose publish failed waits this long, doubling per failure…
+_RETRY_MAX = 300.0  # …up to this; the entries behind it do not wait for it
 _DEFAULT_BATCH = 1_000_000
 
 
@@ -94,43 +95,61 @@ def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqR
     body = copy.deepcopy(body)
     trimmed: dict[str, Any] = {"original_bytes": record.size}
     body["trimmed"] = trimmed
+
+    def over() -> int:
+        """Bytes past the limit as the body stands now (<= 0: it fits)."""
+        return DlqRecord(key, _encode(body), headers, trimmed).size - limit
+
     for step in (_truncate_stacks, _drop_stacks, _drop_middle_attempts, _truncate_messages):
-        step(body, trimmed, lambda: DlqRecord(key, _encode(body), headers, trimmed).size <= limit)
-        record = DlqRecord(key, _encode(body), headers, trimmed)
-        if record.size <= limit:
+        step(body, trimmed, over)
+        if over() <= 0:
             break
-    return record
+    return DlqRecord(key, _encode(body), headers, trimmed)
+
+
+def _surely_fits(task: Task, limit: int) -> bool:
+    """A cheap upper bound on the record's size (base64 payload, stacks and messages, escaping) under `limit`."""
+    text = sum(len(a.error.stack or "") + len(a.error.message) for a in task.attempts if a.error)
+    bound = 2 * len(task.payload) + 6 * text + 1000 * (len(task.attempts) + len(task.headers)) + 8000
+    return bound < limit
 
 
 def _errors(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [a["error"] for a in body["attempts"] if a.get("error")]
 
 
-def _truncate_stacks(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+def _truncate_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
     for error in _errors(body):
         if error.get("stack") and len(error["stack"]) > _STACK_KEEP:
             error["stack"] = "…" + error["stack"][-_STACK_KEEP:]
     trimmed["stacks"] = f"truncated to their last {_STACK_KEEP} characters"
 
 
-def _drop_stacks(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+def _drop_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
     for error in _errors(body):
         error["stack"] = None
     trimmed["stacks"] = "removed"
 
 
-def _drop_middle_attempts(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
-    """Keep the first and the last attempts; remove from the middle, one at a time, until the record fits."""
+def _drop_middle_attempts(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
+    """Keep the first and the last attempts; remove from the middle, one at a time, until the record fits.
+
+    The excess is tracked by arithmetic (each removed attempt's encoded length), not by re-encoding the whole
+    envelope per removed attempt: with a long history that was quadratic, on the event loop."""
     attempts = body["attempts"]
     removed: list[dict[str, int]] = []
     trimmed["attempts_removed"] = removed
-    while len(attempts) > 2 and not fits():
+    excess = over()
+    while len(attempts) > 2 and excess > 0:
         gone = attempts.pop(len(attempts) // 2)
-        removed.append({"redrive_no": gone["redrive_no"], "attempt_no": gone["attempt_no"]})
+        entry = {"redrive_no": gone["redrive_no"], "attempt_no": gone["attempt_no"]}
+        # The attempt and its comma leave; the entry (and a comma after the first) arrives.
+        excess += -len(_encode(gone)) - 1 + len(_encode(entry)) + (1 if removed else 0)
+        removed.append(entry)
     removed.sort(key=lambda r: (r["redrive_no"], r["attempt_no"]))
 
 
-def _truncate_messages(body: dict[str, Any], trimmed: dict[str, Any], fits: Callable[[], bool]) -> None:
+def _truncate_messages(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
     """Error messages of the attempts and of the dead reason (in `reason` and in `task.dead_reason`)."""
     reasons = [r for r in (body.get("reason"), body["task"].get("dead_reason")) if r]
     for error in [*_errors(body), *reasons]:
@@ -156,7 +175,7 @@ class DlqPublisher:
         self._producer: Producer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, Task] = {}
-        self._not_before: dict[str, float] = {}
+        self._stuck_queues: set[str] = set()
         self._limits: dict[str, int] = {}
         self._marking: set[asyncio.Task[None]] = set()
         self._polling = threading.Event()
@@ -189,37 +208,51 @@ class DlqPublisher:
             await self._finish(poller)
 
     async def publish_due(self) -> int:
-        """Send every unpublished DEAD task not already on its way. Returns how many were sent."""
+        """Send every unpublished DEAD task due for a try and not already on its way. Returns how many were sent.
+
+        One entry that cannot be built or sent is given its own retry time and error (kept in the store) and the
+        others go on: nothing about one task blocks the outbox, or stops the bridge."""
         assert self._producer is not None
-        now = asyncio.get_running_loop().time()
         sent = 0
-        for task in await self.store.dlq_outbox(self.batch + len(self._pending)):
-            if task.id in self._pending or self._not_before.get(task.id, 0) > now:
+        for task in await self.store.dlq_outbox(self.batch + len(self._pending), self.clock.now_ms()):
+            if task.id in self._pending:
                 continue
             topic = self.topic_for(task)
-            limit = await self._limit(topic)
             try:
-                self._produce(task, topic, limit)
+                limit = await self._limit(topic)
+                await self._produce(task, topic, limit)
             except BufferError:
                 break  # the producer queue is full: the rest go next round
-            except KafkaException as e:
-                self._failed(task, f"produce refused: {e}")
+            except Exception as e:  # KafkaException, or an envelope that cannot be built (bad data in the task)
+                self._pending[task.id] = task
+                self._failed(task, f"{type(e).__name__}: {e}")
                 continue
             self._pending[task.id] = task
             sent += 1
+        await self._report_stuck()
         return sent
 
-    def _produce(self, task: Task, topic: str, limit: int) -> None:
+    async def _produce(self, task: Task, topic: str, limit: int) -> None:
         assert self._producer is not None
         with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
             # Traced: the record carries the publish span's context (same trace); untraced: the source's.
             traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
-            record = build_record(task, limit, traceparent)
+            if _surely_fits(task, limit):
+                record = build_record(task, limit, traceparent)
+            else:  # trimming a long history re-encodes a large envelope: not on the event loop
+                record = await asyncio.to_thread(build_record, task, limit, traceparent)
             if record.trimmed:
                 log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
                             extra={"task_id": task.id, "queue": task.queue})
             self._producer.produce(topic, value=record.value, key=record.key, headers=cast(Any, record.headers),
                                    on_delivery=partial(self._on_delivery, task))
+
+    async def _report_stuck(self) -> None:
+        stuck = await self.store.dlq_stuck()
+        gauge = self.telemetry.metrics.dlq_stuck
+        for queue in set(self._stuck_queues) | set(stuck):
+            gauge.labels(queue).set(stuck.get(queue, {}).get("entries", 0))
+        self._stuck_queues = set(stuck)
 
     async def _limit(self, topic: str) -> int:
         if topic not in self._limits:
@@ -251,11 +284,22 @@ class DlqPublisher:
             self._loop.call_soon_threadsafe(self._delivered, task, msg.topic(), msg.partition(), msg.offset())
 
     def _failed(self, task: Task, why: str) -> None:
-        log.error("DLQ publish failed (kept in the outbox, retried): %s", why,
-                  extra={"task_id": task.id, "queue": task.queue})
-        self._pending.pop(task.id, None)
-        assert self._loop is not None
-        self._not_before[task.id] = self._loop.time() + _RETRY_FAILED_AFTER
+        """This entry waits for its own retry time (kept in the store, so a restart does not put it first)."""
+        delay = min(_RETRY_FIRST * 2 ** min(task.dlq_failures, 16), _RETRY_MAX)
+        log.error("DLQ publish failed (try %d; kept in the outbox, retried in %gs): %s", task.dlq_failures + 1,
+                  delay, why, extra={"task_id": task.id, "queue": task.queue})
+        recording = asyncio.ensure_future(self._record_failure(task, why, self.clock.now_ms() + int(delay * 1000)))
+        self._marking.add(recording)
+        recording.add_done_callback(self._marking.discard)
+
+    async def _record_failure(self, task: Task, why: str, next_at: int) -> None:
+        try:
+            await self.store.dlq_publish_failed(task.id, why, next_at)
+        except StoreError as e:
+            log.error("could not record a DLQ publish failure (the entry is retried at once): %s", e,
+                      extra={"task_id": task.id})
+        finally:
+            self._pending.pop(task.id, None)  # only now: until recorded, the next round must not take it again
 
     def _delivered(self, task: Task, topic: str, partition: int, offset: int) -> None:
         marking = asyncio.ensure_future(self._mark(task, topic, partition, offset))
@@ -273,7 +317,6 @@ class DlqPublisher:
             log.error("could not record the DLQ publish: %s", e, extra={"task_id": task.id})
         finally:
             self._pending.pop(task.id, None)
-            self._not_before.pop(task.id, None)
 
     async def _finish(self, poller: threading.Thread) -> None:
         if self._producer is not None:

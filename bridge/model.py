@@ -154,6 +154,7 @@ class Task:
     dlq_partition: int | None
     dlq_offset: int | None
     attempts: tuple[Attempt, ...] = field(default=())
+    dlq_failures: int = 0  # failed DLQ publish tries since it went DEAD (the outbox's own retry count)
 
     @property
     def source(self) -> str:
@@ -175,6 +176,7 @@ class Task:
             life_started_at=row["life_started_at"], finished_at=row["finished_at"], fetched_at=row["fetched_at"],
             dead_reason=reason, dlq_state=row["dlq_state"], dlq_topic=row["dlq_topic"],
             dlq_partition=row["dlq_partition"], dlq_offset=row["dlq_offset"], attempts=attempts,
+            dlq_failures=row["dlq_failures"],
         )  # fmt: skip
 
     @classmethod

@@ -459,12 +459,35 @@ class Store:
 
     # ---- DLQ outbox ------------------------------------------------------------------------------------
 
-    async def dlq_outbox(self, limit: int = 500) -> list[Task]:
+    async def dlq_outbox(self, limit: int = 500, now: int | None = None) -> list[Task]:
+        """Unpublished DEAD tasks due for a (re)try at `now` (None: all of them)."""
+        params = {"limit": limit, "now": 2**62 if now is None else now}
+
         def read(conn: sqlite3.Connection) -> list[Task]:
-            rows = conn.execute(q("dlq_outbox"), {"limit": limit}).fetchall()
+            rows = conn.execute(q("dlq_outbox"), params).fetchall()
             return [Task.from_row(r, self._attempts(conn, r["id"])) for r in rows]
 
         return await self._read(read)
+
+    async def dlq_publish_failed(self, task_id: str, error: str, next_at: int) -> bool:
+        """This entry's publish failed: it waits until `next_at`; the others do not wait for it."""
+        params = {"id": task_id, "error": error[:2000], "next_at": next_at}
+        return await self._submit(lambda c: c.execute(q("dlq_publish_failed"), params).rowcount == 1)
+
+    async def dlq_stuck(self) -> dict[str, dict[str, int]]:
+        """By queue: how many outbox entries failed their last publish, and the most tries of one."""
+        rows = await self._read(lambda c: c.execute(q("dlq_stuck_by_queue")).fetchall())
+        return {r["queue"]: {"entries": r["n"], "most_failures": r["most_failures"]} for r in rows}
+
+    async def secret(self, name: str, make: Callable[[], bytes]) -> bytes:
+        """The bridge's secret `name`, made once with `make` and kept in the store (it outlives restarts)."""
+        candidate = make()
+
+        def apply(conn: sqlite3.Connection) -> bytes:
+            conn.execute(q("secret_put"), {"name": name, "value": candidate})
+            return bytes(conn.execute(q("secret_get"), {"name": name}).fetchone()[0])
+
+        return await self._submit(apply)
 
     async def mark_dlq_published(self, task: Task, topic: str, partition: int, offset: int, now: int) -> bool:
         params = {"id": task.id, "topic": topic, "partition": partition, "offset": offset, "now": now,

@@ -52,6 +52,8 @@ class Metrics:
         self.time_to_success = Histogram("rdq_time_to_success_seconds",
                                          "From a task's creation (first failure) to its success",
                                          ["queue"], buckets=_TIME_TO_SUCCESS_BUCKETS, registry=r)
+        self.dlq_stuck = Gauge("rdq_dlq_stuck", "DEAD tasks whose last DLQ publish failed (each waits for its own "
+                               "retry; the others are published)", ["queue"], registry=r)
         self.late_successes = Counter("rdq_late_successes", "Successes from a stale lease holder, by whether the "
                                       "store accepted them (SPEC §4.5)", ["queue", "accepted"], registry=r)
         self.threads_stuck = Gauge("rdq_handler_threads_stuck", "Sync handler threads still running a call that "

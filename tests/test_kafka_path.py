@@ -242,3 +242,53 @@ async def test_a_hung_first_delivery_is_abandoned_after_a_lease_and_ends_in_the_
     assert len(example_log(example_log_path)) == 2
     assert [a["outcome"] for a in record.value["attempts"]] == ["LEASE_EXPIRED", "LEASE_EXPIRED"]
     assert record.value["reason"]["type"] == "rdq.LeaseExpired"
+
+
+async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """At the head of the outbox: a task too large for the DLQ topic even trimmed (the payload is kept whole),
+    and one whose envelope cannot be built (bad data re-created from a crafted DLQ record). They used to be
+    retried for ever ahead of all others, and the build error stopped the bridge (a crash loop)."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from bridge.admin import AdminCommands
+    from bridge.model import ErrorInfo
+    from bridge.store import Store
+    from tests.helpers import failure
+
+    dlq = f"dlq-{unique}"
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    admin.create_topics([NewTopic(dlq, 1, 1, config={"max.message.bytes": "100000"})])[dlq].result(30)
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": dlq}})
+    store = await Store.open(config.store.path)
+    dead = ErrorInfo("Permanent", "no")
+    too_big = failure(payload=b"x" * 300_000, dead=dead, now=1_000)
+    unbuildable = failure(dead=dead, now=2_000)
+    unbuildable = type(unbuildable)(**{**unbuildable.__dict__, "headers": {**unbuildable.headers,
+                                                                            "rdq.kafka.headers": "not json"}})
+    fine = [failure(dead=dead, now=3_000 + i) for i in range(3)]
+    for task in [too_big, unbuildable, *fine]:
+        await store.submit(task)
+    await store.close()
+    async with running_bridge(config) as bridge:
+        records = await aread_dlq(kafka.bootstrap_servers, dlq, expect=3)
+        assert sorted(r.headers["rdq.task_id"].decode() for r in records) == sorted(t.id for t in fine)
+
+        async def both_recorded() -> bool:
+            stuck = await bridge.store.dlq_stuck()
+            return stuck.get("q", {}).get("entries") == 2
+
+        await wait_until(both_recorded, within=30, what="both failures recorded")
+        for task_id, why in ((too_big.id, "MSG_SIZE_TOO_LARGE"), (unbuildable.id, "JSONDecodeError")):
+            task = await bridge.store.get(task_id)
+            assert task is not None and task.dlq_state == "PENDING" and task.dlq_failures >= 1, task_id
+            row = await bridge.store._read(lambda c, i=task_id: c.execute(
+                "SELECT dlq_error, dlq_next_at FROM tasks WHERE id = ?", (i,)).fetchone())
+            assert why in row[0] and row[1] > bridge.engine.clock.now_ms(), row[0]  # waits for its own retry
+        stats = await AdminCommands(bridge.engine, lambda t, p, o: None).stats(None, None, None)  # type: ignore[arg-type]
+        assert stats["dlq_stuck"] == {"q": {"entries": 2, "most_failures": 1}}
+        metrics = bridge.telemetry.metrics.registry
+        await wait_until(lambda: metrics.get_sample_value("rdq_dlq_stuck", {"queue": "q"}) == 2, within=10,
+                         what="the stuck gauge")
+        assert [p for p in asyncio.all_tasks() if p.get_name() == "rdq-dlq" and p.done()] == []  # still publishing

@@ -149,7 +149,8 @@ UPDATE tasks SET fetched_at = :now
 UPDATE tasks
    SET status = 'PENDING', attempt_count = 0, redrive_count = redrive_count + 1, next_attempt_at = :now,
        life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
-       dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL
+       dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL,
+       dlq_failures = 0, dlq_next_at = NULL, dlq_error = NULL
  WHERE id = :id AND status = 'DEAD'
 RETURNING redrive_count;
 
@@ -158,12 +159,30 @@ INSERT INTO redrives (task_id, redrive_no, at, by, request_id)
 VALUES (:task_id, :redrive_no, :at, :by, :request_id);
 
 -- name: dlq_outbox
-SELECT * FROM tasks WHERE status = 'DEAD' AND dlq_state = 'PENDING' ORDER BY finished_at LIMIT :limit;
+-- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
+SELECT * FROM tasks
+ WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND COALESCE(dlq_next_at, 0) <= :now
+ ORDER BY COALESCE(dlq_next_at, 0), finished_at LIMIT :limit;
+
+-- name: dlq_publish_failed
+UPDATE tasks SET dlq_failures = dlq_failures + 1, dlq_next_at = :next_at, dlq_error = :error
+ WHERE id = :id AND status = 'DEAD' AND dlq_state = 'PENDING';
+
+-- name: dlq_stuck_by_queue
+-- Outbox entries whose last publish failed, by queue (the stuck-DLQ gauge, `rdq stats`).
+SELECT queue, COUNT(*) AS n, MAX(dlq_failures) AS most_failures FROM tasks
+ WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND dlq_failures > 0 GROUP BY queue;
+
+-- name: secret_get
+SELECT value FROM secrets WHERE name = :name;
+
+-- name: secret_put
+INSERT INTO secrets (name, value) VALUES (:name, :value) ON CONFLICT (name) DO NOTHING;
 
 -- name: mark_dlq_published
 UPDATE tasks
    SET dlq_state = 'PUBLISHED', dlq_topic = :topic, dlq_partition = :partition, dlq_offset = :offset,
-       fetched_at = COALESCE(fetched_at, :now)
+       fetched_at = COALESCE(fetched_at, :now), dlq_next_at = NULL, dlq_error = NULL
  WHERE id = :id AND status = 'DEAD' AND dlq_state = 'PENDING' AND redrive_count = :redrive_count;
 
 -- name: get_task
