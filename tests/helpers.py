@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any
 
 from bridge.config import BridgeConfig, parse_config
@@ -41,3 +44,14 @@ def report(outcome: Outcome, now: int = T0, error: ErrorInfo | None = None) -> R
     if error is None and outcome != Outcome.SUCCESS:
         error = ErrorInfo("builtins.RuntimeError", "boom")
     return RunReport(now - 5, now, outcome, error, "w1")
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it holds or `within` seconds pass; returns its last value (assert on it)."""
+    deadline = time.monotonic() + within
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval)

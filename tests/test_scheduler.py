@@ -21,7 +21,7 @@ from bridge.model import Outcome, Status, Task
 from bridge.records import SourceRecord
 from bridge.registry import Registry
 from bridge.store import Store
-from tests.helpers import engine_config, failure
+from tests.helpers import engine_config, eventually, failure
 
 
 class Harness:
@@ -206,9 +206,7 @@ async def test_a_silent_handler_loses_its_lease_and_its_late_success_is_refused_
     assert task.dead_reason is not None and task.dead_reason.type == "rdq.LeaseExpired"
     assert task.attempts[-1].outcome == Outcome.LEASE_EXPIRED
     # The handler's late success arrives: it is offered to the store, which refuses it (the task is terminal).
-    deadline = time.monotonic() + 5
-    while late_successes(engine, accepted=False) < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await eventually(lambda: late_successes(engine, accepted=False) >= 1, within=5)
     assert late_successes(engine, accepted=False) == 1 and late_successes(engine, accepted=True) == 0
     after = await h.wait_status(task.id, Status.DEAD)
     assert after.attempts == task.attempts
@@ -416,9 +414,7 @@ async def test_a_hung_sync_handler_cannot_starve_other_queues(h: Harness) -> Non
         for _ in range(4):
             await h.submit(queue="hung", handler="hang")
         pool = engine.threads.pool("hung")
-        deadline = time.monotonic() + 20
-        while pool.stuck < 2 * pool.size and time.monotonic() < deadline:  # dozens of abandoned attempts
-            await asyncio.sleep(0.05)
+        await eventually(lambda: pool.stuck >= 2 * pool.size, within=20)  # dozens of abandoned attempts
         await asyncio.sleep(0.5)  # and no more than that
         assert pool.stuck == 2 * pool.size  # the most it replaces, then the queue stalls itself
         assert pool.free() == 0 and engine.scheduler.running_count("hung") == 0
@@ -431,7 +427,5 @@ async def test_a_hung_sync_handler_cannot_starve_other_queues(h: Harness) -> Non
         assert calls == 20
     finally:
         release.set()
-    deadline = time.monotonic() + 5
-    while engine.threads.pool("hung").stuck and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await eventually(lambda: engine.threads.pool("hung").stuck == 0, within=5)
     assert engine.threads.pool("hung").stuck == 0  # released threads are counted back
