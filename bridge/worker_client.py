@@ -76,7 +76,10 @@ class Connection:
         with self._lock:
             self._file.write(json.dumps({"id": request_id, "op": op, **fields}).encode() + b"\n")
             self._file.flush()
-        answer = future.result(timeout)
+        try:
+            answer = future.result(timeout)
+        finally:
+            self._pending.pop(request_id, None)  # answered, or given up on: an answer that comes later is dropped
         if answer.get("op") == "error":
             raise WorkerError(f"{answer['error']['type']}: {answer['error']['message']}")
         return answer
@@ -90,7 +93,7 @@ class Connection:
 @dataclass
 class RemoteTask:
     task_id: str
-    token: int
+    token: str  # opaque: quoted back as received
     queue: str
     handler_ref: str
     attempt: int
@@ -103,7 +106,7 @@ class RemoteTask:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], conn: Connection) -> RemoteTask:
-        return cls(data["task_id"], int(data["token"]), data["queue"], data["handler_ref"], int(data["attempt"]),
+        return cls(data["task_id"], str(data["token"]), data["queue"], data["handler_ref"], int(data["attempt"]),
                    int(data["redrive_count"]), base64.b64decode(data["payload_b64"]), data["content_type"],
                    dict(data["headers"]), conn)
 
@@ -132,7 +135,7 @@ class WorkerClient:
     def connect(self) -> dict[str, Any]:
         self.conn = Connection(self.address)
         return self.conn.call("hello", token=self.token, worker=self.name, handlers=sorted(self.handlers),
-                              protocol=1)
+                              protocol=2)
 
     def stop(self) -> None:
         self._stop.set()
@@ -154,7 +157,7 @@ class WorkerClient:
         done = threading.Event()
         beater = threading.Thread(target=self._beat, args=(task, done), daemon=True)
         beater.start()
-        fields: dict[str, Any] = {"task_id": task.task_id, "token": task.token, "attempt": task.attempt}
+        fields: dict[str, Any] = {"task_id": task.task_id, "token": task.token}
         try:
             self.handlers[task.handler_ref](task)
             fields["outcome"] = "success"

@@ -4,6 +4,12 @@ The protocol (docs/remote-workers.md) is newline-delimited JSON over TCP or a Un
 handler refs), then `claim`, `heartbeat` and `result` requests, each answered with the request's `id`.
 A worker's tasks are held under leases like any other; when its connection drops they are re-queued at once
 (a LEASE_EXPIRED attempt, counted against max_attempts), not when the leases lapse. Late results follow §4.5.
+
+Fencing: a worker acts only on what it was given. A lease token on the wire is the store's counter signed with
+a key the bridge keeps in its store (`<n>.<mac>`), so it cannot be guessed or made up for a task never claimed;
+a heartbeat counts only for a task this connection holds; a result is judged by the token it carries (its own
+lease: the outcome; an older lease of this bridge: a late result, SPEC §4.5), and the attempt number and retry
+decision come from the store, never from the worker.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +35,10 @@ from bridge.runner import RunOutcome
 from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
-PROTOCOL = 1
+PROTOCOL = 2  # 2: lease tokens are opaque strings (they were integers)
 _MAX_LINE = 64 * 1024 * 1024
+_MAX_REQUESTS = 64  # requests of one connection in progress at once; past it the bridge stops reading (back-pressure)
+_TOKEN_KEY = "worker-lease-tokens"
 _OUTCOMES = {"success": Outcome.SUCCESS, "retryable": Outcome.RETRYABLE_FAILURE,
              "permanent": Outcome.PERMANENT_FAILURE}
 
@@ -39,10 +49,34 @@ class ProtocolError(Exception):
         self.type = f"rdq.worker.{kind}"
 
 
+class LeaseTokens:
+    """Lease tokens as workers see them: `<n>.<mac>`, n the store's fencing counter for the task, mac an HMAC of
+    (task id, n) under the bridge's key. Only this bridge can make one; each names one lease of one task."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def _mac(self, task_id: str, token: int) -> str:
+        return hmac.new(self._key, f"{task_id}.{token}".encode(), hashlib.sha256).hexdigest()[:32]
+
+    def issue(self, task_id: str, token: int) -> str:
+        return f"{token}.{self._mac(task_id, token)}"
+
+    def verify(self, task_id: str, text: Any) -> int:
+        """The counter in a token issued for this task; ProtocolError for anything else."""
+        if isinstance(text, str) and text.count(".") == 1:
+            number, mac = text.split(".")
+            if number.isdigit() and len(number) < 19 and hmac.compare_digest(mac.encode(), self._mac(
+                    task_id, int(number)).encode()):
+                return int(number)
+        raise ProtocolError("BadToken", "not a lease token this bridge issued for this task")
+
+
 @dataclass
 class _Held:
     task: Task
     started_at: int
+    expires_at: int  # ms; past it the sweep may reclaim the task and this entry is pruned
 
 
 @dataclass
@@ -59,12 +93,15 @@ class WorkerServer:
         self.config = config
         self.engine = engine
         self.store = engine.store
+        self.tokens = LeaseTokens(b"")  # the real key is read from the store in run()
+        self.requests_in_progress = 0  # across connections; each connection has at most _MAX_REQUESTS
         self.connections: set[asyncio.Task[None]] = set()
         self.bound: list[str] = []  # the addresses actually listened on (tcp port 0 → the real port)
 
     # ---- serving ---------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        self.tokens = LeaseTokens(await self.store.secret(_TOKEN_KEY, lambda: os.urandom(32)))
         servers = [await self._listen(address) for address in self.config.listen]
         log.info("remote workers: listening on %s", ", ".join(self.bound))
         try:
@@ -99,11 +136,13 @@ class WorkerServer:
         self.connections.add(task)
         conn: _Connection | None = None
         requests: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(_MAX_REQUESTS)
         try:
             conn = await self._hello(reader, writer)
             if conn is None:
                 return
             while True:
+                await slots.acquire()  # at most _MAX_REQUESTS at once: a flood waits in the socket, not in memory
                 line = await reader.readline()
                 if not line:
                     break
@@ -111,6 +150,9 @@ class WorkerServer:
                 request = asyncio.create_task(self._request(conn, line, writer))
                 requests.add(request)
                 request.add_done_callback(requests.discard)
+                request.add_done_callback(self._request_done)
+                request.add_done_callback(lambda _: slots.release())
+                self.requests_in_progress += 1
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
             log.info("worker connection ended: %s", e)
         finally:
@@ -121,6 +163,9 @@ class WorkerServer:
                 await asyncio.shield(self._requeue(conn))
             writer.close()
             self.connections.discard(task)
+
+    def _request_done(self, request: asyncio.Task[None]) -> None:
+        self.requests_in_progress -= 1
 
     async def _send(self, writer: asyncio.StreamWriter, body: dict[str, Any], lock: asyncio.Lock | None = None) -> None:
         data = json.dumps(body, separators=(",", ":")).encode() + b"\n"
@@ -190,6 +235,7 @@ class WorkerServer:
         wanted = max(1, min(int(msg.get("max", 1)), 1000))
         deadline = asyncio.get_running_loop().time() + min(float(msg.get("wait", 0)), self.config.max_wait)
         owner = f"{self.engine.instance_id}/{conn.worker}"
+        self._prune(conn)
         while True:
             claimed: list[Task] = []
             for name in conn.queues:
@@ -203,8 +249,14 @@ class WorkerServer:
             await self._wait_for_work(conn, deadline)
         now = self.engine.clock.now_ms()
         for task in claimed:
-            conn.held[task.id] = _Held(task, now)
+            conn.held[task.id] = _Held(task, now, task.lease_expires_at or now)
         return {"op": "tasks", "tasks": [self._task_json(t) for t in claimed]}
+
+    def _prune(self, conn: _Connection) -> None:
+        """Forget held tasks whose lease lapsed (the sweep reclaims them; a result for one is a late result)."""
+        now = self.engine.clock.now_ms()
+        for task_id in [i for i, held in conn.held.items() if held.expires_at <= now]:
+            del conn.held[task_id]
 
     async def _wait_for_work(self, conn: _Connection, deadline: float) -> None:
         events = [self.engine.scheduler.wake_event(q) for q in conn.queues]
@@ -221,52 +273,66 @@ class WorkerServer:
             for w in waiters:
                 w.cancel()
 
-    @staticmethod
-    def _task_json(task: Task) -> dict[str, Any]:
+    def _task_json(self, task: Task) -> dict[str, Any]:
         return {
-            "task_id": task.id, "token": task.lease_token, "queue": task.queue, "handler_ref": task.handler_ref,
-            "handler_version": task.handler_version, "attempt": task.attempt_count,
+            "task_id": task.id, "token": self.tokens.issue(task.id, task.lease_token), "queue": task.queue,
+            "handler_ref": task.handler_ref, "handler_version": task.handler_version, "attempt": task.attempt_count,
             "redrive_count": task.redrive_count, "payload_b64": base64.b64encode(task.payload).decode("ascii"),
             "content_type": task.payload_content_type, "headers": task.headers,
             "lease_expires_at": rfc3339(task.lease_expires_at),
         }  # fmt: skip
 
     async def _heartbeat(self, conn: _Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        task_id, token = str(msg["task_id"]), int(msg["token"])
+        """Extends only a lease this connection holds, under the token it was given; anything else: ok false."""
+        task_id = str(msg["task_id"])
+        token = self.tokens.verify(task_id, msg.get("token"))
         held = conn.held.get(task_id)
-        queue = self.engine.config.queue(held.task.queue) if held else None
-        lease = queue.lease if queue else 30.0
-        ok = await self.store.extend_lease(task_id, token, lease, self.engine.clock.now_ms())
+        ok = False
+        if held is not None and held.task.lease_token == token:
+            queue = self.engine.config.queue(held.task.queue)
+            now = self.engine.clock.now_ms()
+            lease = queue.lease if queue else 30.0
+            ok = await self.store.extend_lease(task_id, token, lease, now)
+            held.expires_at = now + int(lease * 1000)
         if not ok:
             conn.held.pop(task_id, None)
         return {"op": "heartbeat", "task_id": task_id, "ok": ok}
 
     async def _result(self, conn: _Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        task_id, token = str(msg["task_id"]), int(msg["token"])
+        task_id = str(msg["task_id"])
+        token = self.tokens.verify(task_id, msg.get("token"))
         outcome = _OUTCOMES.get(str(msg.get("outcome")))
         if outcome is None:
             raise ProtocolError("Malformed", "outcome must be success, retryable or permanent")
-        held = conn.held.pop(task_id, None)
-        task = held.task if held else await self.store.get(task_id)
-        if task is None:
-            return {"op": "result", "task_id": task_id, "accepted": False, "status": None}
-        attempt = int(msg.get("attempt") or task.attempt_count)
-        # The worker's token and attempt, not the store's current ones: a late result is judged by its own lease.
-        task = dataclasses.replace(task, lease_token=token, attempt_count=attempt)
+        retry_after = _retry_after(msg.get("retry_after"))
+        held = conn.held.get(task_id)
+        if held is not None and held.task.lease_token == token:
+            del conn.held[task_id]
+            task, started = held.task, held.started_at
+        else:  # not (or no longer) this connection's lease: a late result, judged by its own token
+            current = await self.store.get(task_id)
+            if current is None:
+                return {"op": "result", "task_id": task_id, "accepted": False, "status": None}
+            queue = self.engine.config.queue(current.queue)
+            if queue is None or not queue.remote or queue.handler not in conn.handlers:
+                raise ProtocolError("NotServed", f"task {task_id} is not of a remote queue this worker serves")
+            # The store's attempt count, never the worker's: the decision to retry or dead-letter is the store's.
+            task, started = dataclasses.replace(current, lease_token=token), self.engine.clock.now_ms()
         queue = self.engine.config.queue(task.queue)
         if queue is None:
             raise ProtocolError("UnknownQueue", f"queue {task.queue!r} is not configured here")
         error = msg.get("error") or {}
+        if not isinstance(error, dict):
+            raise ProtocolError("Malformed", "error must be an object")
         info = None if outcome == Outcome.SUCCESS else ErrorInfo(
-            str(error.get("type") or "RemoteError"), str(error.get("message") or ""), error.get("stack"))
-        retry_after = msg.get("retry_after")
-        result = RunOutcome(outcome, info, float(retry_after) if retry_after is not None else None)
-        started = held.started_at if held else self.engine.clock.now_ms()
+            str(error.get("type") or "RemoteError"), str(error.get("message") or ""),
+            None if error.get("stack") is None else str(error["stack"]))
+        result = RunOutcome(outcome, info, retry_after)
         self.engine.telemetry.metrics.attempt(task.queue, outcome, (self.engine.clock.now_ms() - started) / 1000)
         recorded = await self.engine.scheduler.record(task, queue, started, result, worker=conn.worker)
-        current = await self.store.get(task_id)
+        current_task = await self.store.get(task_id)
         return {"op": "result", "task_id": task_id, "accepted": recorded.accepted,
-                "status": current.status.value if current else None}
+                "status": current_task.status.value if current_task else None}
 
     async def _requeue(self, conn: _Connection) -> None:
         """The worker is gone: its leases are reclaimed now (the fast path), each with a LEASE_EXPIRED attempt."""
@@ -288,3 +354,12 @@ class WorkerServer:
             except StoreError as e:
                 log.error("could not re-queue a gone worker's task (its lease will lapse): %s", e)
         conn.held.clear()
+
+
+def _retry_after(value: Any) -> float | None:
+    """A worker's `retry_after`: absent, or a finite number of seconds >= 0 (the queue then caps it)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ProtocolError("Malformed", "retry_after must be a finite number of seconds >= 0")
+    return float(value)

@@ -136,7 +136,7 @@ async def test_late_success_is_accepted_when_nothing_else_finished(bench: Bench)
     [task] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
     await bench.until(task_id, lambda t: t.status == Status.PENDING)  # A's lease lapsed; the sweep re-queued it
     bench.engine.scheduler.paused.add("r")  # nobody else claims it meanwhile
-    answer = await asyncio.to_thread(a.call, "result", task_id=task_id, token=task["token"], attempt=1,
+    answer = await asyncio.to_thread(a.call, "result", task_id=task_id, token=task["token"],
                                      outcome="success")
     assert answer["accepted"] and answer["status"] == "SUCCEEDED"
     done = await bench.store.get(task_id)
@@ -152,15 +152,15 @@ async def test_late_success_is_refused_when_another_worker_finished_first(bench:
     [old] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
     await bench.until(task_id, lambda t: t.status == Status.PENDING)
     [new] = (await asyncio.to_thread(b.call, "claim", max=1, wait=5))["tasks"]
-    assert new["token"] > old["token"] and new["attempt"] == 2
+    assert new["token"] != old["token"] and new["attempt"] == 2
     heartbeat = await asyncio.to_thread(a.call, "heartbeat", task_id=task_id, token=old["token"])
     assert heartbeat["ok"] is False  # A is told its lease is lost
-    won = await asyncio.to_thread(b.call, "result", task_id=task_id, token=new["token"], attempt=2,
+    won = await asyncio.to_thread(b.call, "result", task_id=task_id, token=new["token"],
                                   outcome="success")
-    lost = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"], attempt=1,
+    lost = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"],
                                    outcome="success")
     assert won["accepted"] and not lost["accepted"] and lost["status"] == "SUCCEEDED"
-    late_failure = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"], attempt=1,
+    late_failure = await asyncio.to_thread(a.call, "result", task_id=task_id, token=old["token"],
                                            outcome="retryable", error={"type": "E", "message": "x"})
     assert not late_failure["accepted"]
     a.close()
@@ -173,9 +173,9 @@ async def test_retryable_and_permanent_results(bench: Bench) -> None:
     a = await asyncio.to_thread(hello, bench.tcp, "A")
     tasks = (await asyncio.to_thread(a.call, "claim", max=2, wait=5))["tasks"]
     by_id = {t["task_id"]: t for t in tasks}
-    r = await asyncio.to_thread(a.call, "result", task_id=retry_id, token=by_id[retry_id]["token"], attempt=1,
+    r = await asyncio.to_thread(a.call, "result", task_id=retry_id, token=by_id[retry_id]["token"],
                                 outcome="retryable", retry_after=30, error={"type": "Busy", "message": "later"})
-    d = await asyncio.to_thread(a.call, "result", task_id=dead_id, token=by_id[dead_id]["token"], attempt=1,
+    d = await asyncio.to_thread(a.call, "result", task_id=dead_id, token=by_id[dead_id]["token"],
                                 outcome="permanent", error={"type": "Bad", "message": "no"})
     assert r["status"] == "PENDING" and d["status"] == "DEAD"
     retried = await bench.store.get(retry_id)
@@ -207,3 +207,87 @@ async def test_the_python_client_runs_tasks_end_to_end(bench: Bench) -> None:
     client.stop()
     await runner
     assert sorted(seen) == sorted([(i, 1) for i in ids] + [(i, 2) for i in ids])
+
+
+def error_type(conn: Connection, op: str, **fields: Any) -> str:
+    try:
+        conn.call(op, **fields)
+    except WorkerError as e:
+        return str(e).split(":")[0]
+    raise AssertionError(f"{op} {fields} was not refused")
+
+
+async def test_a_worker_cannot_forge_or_guess_a_lease_token(bench: Bench) -> None:
+    """Tokens were the store's small counters: a worker could finish a task it never claimed by guessing one."""
+    never_claimed = await bench.submit({})
+    bench.engine.scheduler.paused.add("r")  # it stays PENDING: nobody claims it
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    for forged in (0, 1, 2, "1", "1.00000000000000000000000000000000", None):
+        kind = await asyncio.to_thread(error_type, a, "result", task_id=never_claimed, token=forged,
+                                       outcome="success")
+        assert kind == "rdq.worker.BadToken", forged
+        beat = await asyncio.to_thread(error_type, a, "heartbeat", task_id=never_claimed, token=forged)
+        assert beat == "rdq.worker.BadToken"
+    task = await bench.store.get(never_claimed)
+    assert task is not None and task.status == Status.PENDING and task.attempts == ()
+    a.close()
+
+
+async def test_a_worker_heartbeats_only_what_it_holds_and_the_store_counts_attempts(bench: Bench) -> None:
+    task_id = await bench.submit({})
+    bench.engine.config.set_override("r", {"max_attempts": 1})
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    b = await asyncio.to_thread(hello, bench.unix, "B")
+    [task] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
+    # B quotes A's token: B does not hold the lease, so the heartbeat is refused and changes nothing.
+    before = await bench.store.get(task_id)
+    assert (await asyncio.to_thread(b.call, "heartbeat", task_id=task_id, token=task["token"]))["ok"] is False
+    assert await bench.store.get(task_id) == before
+    for bad in (float("nan"), float("inf"), -1, "soon", True):
+        kind = await asyncio.to_thread(error_type, a, "result", task_id=task_id, token=task["token"],
+                                       outcome="retryable", retry_after=bad)
+        assert kind == "rdq.worker.Malformed", bad
+    # The worker says "attempt 1 of many"; the store knows this was the last attempt: DEAD, not retried.
+    answer = await asyncio.to_thread(a.call, "result", task_id=task_id, token=task["token"], attempt=-5,
+                                     outcome="retryable", error={"type": "E", "message": "x"})
+    assert answer["accepted"] and answer["status"] == "DEAD"
+    a.close()
+    b.close()
+
+
+async def test_a_late_result_is_only_for_a_remote_queue_the_worker_serves(bench: Bench) -> None:
+    bench.engine.config.set_override("r", {"lease": "300ms"})
+    task_id = await bench.submit({})
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    [task] = (await asyncio.to_thread(a.call, "claim", max=1, wait=5))["tasks"]
+    a.close()  # A is gone: the task is re-queued at once
+    await bench.until(task_id, lambda t: t.status == Status.PENDING)
+    bench.engine.scheduler.paused.add("r")
+    other = Connection(bench.tcp)
+    await asyncio.to_thread(other.call, "hello", token=TOKEN, worker="C", handlers=["something-else"])
+    kind = await asyncio.to_thread(error_type, other, "result", task_id=task_id, token=task["token"],
+                                   outcome="success")
+    assert kind == "rdq.worker.NotServed"
+    again = await asyncio.to_thread(hello, bench.tcp, "A2")  # A back on a new connection: its late success counts
+    answer = await asyncio.to_thread(again.call, "result", task_id=task_id, token=task["token"], outcome="success")
+    assert answer["accepted"] and answer["status"] == "SUCCEEDED"
+    other.close()
+    again.close()
+
+
+async def test_requests_in_progress_are_bounded_per_connection(bench: Bench) -> None:
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    flood = [{"id": f"c{i}", "op": "claim", "max": 1, "wait": 3} for i in range(300)]
+    await asyncio.to_thread(a._file.write, b"".join(json.dumps(m).encode() + b"\n" for m in flood))
+    await asyncio.to_thread(a._file.flush)
+    await asyncio.sleep(1.0)
+    assert 0 < bench.server.requests_in_progress <= 64
+    a.close()
+
+
+async def test_the_client_forgets_a_call_it_gave_up_on(bench: Bench) -> None:
+    a = await asyncio.to_thread(hello, bench.tcp, "A")
+    with pytest.raises(TimeoutError):
+        await asyncio.to_thread(a.call, "claim", timeout=0.2, max=1, wait=2)
+    assert a._pending == {}
+    a.close()
