@@ -177,16 +177,13 @@ class AdminCommands:
 
     async def set_policy(self, args: SetPolicyArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         queue = self._queue(args.queue)
-        forbidden = {"handler", "sources", "dlq_topic"} & set(args.policy or {})
-        if forbidden:
-            raise Refused("InvalidArgs", f"set-policy cannot change {', '.join(sorted(forbidden))}")
-        try:
+        try:  # retry-policy fields only, deep-merged over the file's, validated as the file would be
             effective = self.engine.config.set_override(queue, args.policy)
         except (ConfigError, ValueError) as e:
             raise Refused("InvalidArgs", str(e)) from e
         await self.store.set_policy(queue, args.policy, cmd.issued_by, self.engine.clock.now_ms())
         self.engine.scheduler.wake(queue)  # queued tasks obey it from their next claim
-        return {"queue": queue, "policy": effective.model_dump(mode="json")}
+        return {"queue": queue, "policy": self.engine.config.policy_of(effective)}
 
     async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
         return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),

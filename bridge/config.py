@@ -150,6 +150,25 @@ class QueueConfig(_Model):
         return self.heartbeat.interval or self.lease / 3
 
 
+# The fields of a queue that are its retry policy: they apply live (config reload, admin `set-policy`) to tasks
+# already queued. Every other setting is read at start: changing it needs a restart.
+POLICY_FIELDS = frozenset({
+    "max_attempts", "backoff", "lease", "heartbeat", "errors", "version_mismatch", "queue_timeout",
+    "max_retry_after", "task_ttl", "retain_from", "concurrency", "max_open_tasks",
+})
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` over `base`, mapping into mapping: overriding `backoff.base` keeps the file's `backoff.max`."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 class WorkersConfig(_Model):
     """Remote workers (SPEC §8.2): listen addresses, tcp://host:port or unix:///path, and accepted tokens."""
 
@@ -245,6 +264,19 @@ class BridgeConfig(_Model):
         if self.admin is not None:
             names += [self.admin.topic, self.admin.reply_topic]
         return list(dict.fromkeys(names))
+
+
+def restart_only_changes(running: BridgeConfig, fresh: BridgeConfig) -> list[str]:
+    """What differs between two configs outside the queues' retry policies (those apply live)."""
+    changes = [section for section in ("kafka", "store", "admin", "telemetry", "engine", "workers")
+               if getattr(running, section) != getattr(fresh, section)]
+    added, removed = sorted(set(fresh.queues) - set(running.queues)), sorted(set(running.queues) - set(fresh.queues))
+    changes += [f"queue {name!r} added" for name in added] + [f"queue {name!r} removed" for name in removed]
+    for name in sorted(set(running.queues) & set(fresh.queues)):
+        old, new = running.queues[name], fresh.queues[name]
+        changes += [f"queues[{name!r}].{field}" for field in sorted(set(QueueConfig.model_fields) - POLICY_FIELDS)
+                    if getattr(old, field) != getattr(new, field)]
+    return changes
 
 
 def _format_loc(loc: tuple[int | str, ...]) -> str:

@@ -12,9 +12,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from bridge.config import BridgeConfig, ConfigError, QueueConfig, describe_error, load_config
+from bridge.config import (
+    POLICY_FIELDS,
+    BridgeConfig,
+    ConfigError,
+    QueueConfig,
+    deep_merge,
+    load_config,
+    parse_config,
+    restart_only_changes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,7 @@ class LiveConfig:
         self._mtime = self._stat()
         self._overrides: dict[str, dict[str, Any]] = {}
         self._effective: dict[str, QueueConfig] = {}
+        self._reloading: asyncio.Future[bool] | None = None
         self._rebuild()
 
     @property
@@ -39,15 +47,17 @@ class LiveConfig:
         return list(self._effective)
 
     def set_override(self, queue: str, policy: dict[str, Any] | None) -> QueueConfig:
-        """Layer operator settings over a queue's config; validated like the file. Raises ConfigError."""
+        """Layer an operator's retry policy over a queue's config (deep-merged), validated as the whole file
+        would be. Only retry-policy fields (POLICY_FIELDS); raises ConfigError naming what is wrong."""
         base = self._config.queues.get(queue)
         if base is None:
             raise ConfigError(f"no queue named {queue!r} in the configuration")
         if policy:
-            try:
-                merged = QueueConfig.model_validate({**base.model_dump(exclude_unset=True), **policy})
-            except ValidationError as e:
-                raise ConfigError(describe_error(e, f"policy of queue {queue!r}")) from e
+            others = sorted(set(policy) - POLICY_FIELDS)
+            if others:
+                raise ConfigError(f"set-policy changes only the retry policy ({', '.join(sorted(POLICY_FIELDS))}); "
+                                  f"not {', '.join(others)}")
+            merged = self._merged(queue, base, policy)
             self._overrides[queue] = policy
         else:
             merged = base
@@ -55,14 +65,26 @@ class LiveConfig:
         self._effective[queue] = merged
         return merged
 
+    def _merged(self, name: str, base: QueueConfig, policy: dict[str, Any]) -> QueueConfig:
+        """The queue with `policy` deep-merged in, checked with every rule of the config (cross-field ones too)."""
+        tree = self._config.model_dump(mode="json", exclude_unset=True)
+        tree["queues"][name] = deep_merge(base.model_dump(mode="json", exclude_unset=True), policy)
+        return parse_config(tree, f"policy of queue {name!r}").queues[name]
+
+    @staticmethod
+    def policy_of(queue: QueueConfig) -> dict[str, Any]:
+        """A queue's effective retry policy (what set-policy answers with: never handler URLs or headers)."""
+        policy = queue.model_dump(mode="json", include=set(POLICY_FIELDS))
+        policy["backoff"]["jitter"] = queue.backoff.effective_jitter
+        return policy
+
     def _rebuild(self) -> None:
         effective = {}
         for name, queue in self._config.queues.items():
             policy = self._overrides.get(name)
             try:
-                effective[name] = QueueConfig.model_validate({**queue.model_dump(exclude_unset=True), **policy}) \
-                    if policy else queue
-            except ValueError as e:
+                effective[name] = self._merged(name, queue, policy) if policy else queue
+            except ConfigError as e:
                 log.warning("override of queue %s no longer validates; using the file's policy: %s", name, e)
                 effective[name] = queue
         self._effective = effective
@@ -73,28 +95,35 @@ class LiveConfig:
         except OSError:
             return None
 
-    def reload(self) -> bool:
-        """Re-read the file. On any error keep the running config and log why; True when it changed."""
+    async def reload(self) -> bool:
+        """Re-read the file (off the event loop). Applied only when it is valid and changes nothing but queues'
+        retry policies; otherwise the running config stays and the log says why. True when it was applied."""
         if self.path is None:
             return False
         self._mtime = self._stat()
         try:
-            fresh = load_config(self.path)
+            fresh = await asyncio.to_thread(load_config, self.path)
         except ConfigError as e:
             log.error("config reload failed; keeping the running configuration:\n%s", e)
             return False
-        if fresh.kafka != self._config.kafka or fresh.store != self._config.store:
-            log.warning("config reload: kafka and store settings apply at the next restart only")
-            fresh = fresh.model_copy(update={"kafka": self._config.kafka, "store": self._config.store})
+        needs_restart = restart_only_changes(self._config, fresh)
+        if needs_restart:
+            log.error("config reload refused; keeping the running configuration. These changes apply only at a "
+                      "restart: %s", "; ".join(needs_restart))
+            return False
         self._config = fresh
         self._rebuild()
         log.info("configuration reloaded from %s", self.path)
         return True
+
+    def reload_soon(self) -> None:
+        """For a signal handler: reload on the loop, reading the file in a thread."""
+        self._reloading = asyncio.ensure_future(self.reload())  # referenced so it is not collected mid-way
 
     async def watch(self, stop: asyncio.Event, interval: float = 1.0) -> None:
         """Reload when the file's modification time changes."""
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
-            if self.path is not None and self._stat() != self._mtime:
-                self.reload()
+            if self.path is not None and await asyncio.to_thread(self._stat) != self._mtime:
+                await self.reload()

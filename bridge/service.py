@@ -55,7 +55,7 @@ def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, live:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop, sig)
-    loop.add_signal_handler(signal.SIGHUP, live.reload)
+    loop.add_signal_handler(signal.SIGHUP, live.reload_soon)
 
 
 def check_handlers(config: BridgeConfig, registry: Registry) -> None:

@@ -45,7 +45,8 @@ class Sweeper:
         now = self.clock.now_ms()
         for name in self.config.queue_names():
             queue = self.config.queue(name)
-            assert queue is not None
+            if queue is None:
+                continue  # gone since queue_names() was read
             if queue.queue_timeout is not None:
                 n = await self.store.time_out(name, now - int(queue.queue_timeout * 1000), now,
                                               f"queue_timeout of {queue.queue_timeout:g}s exceeded")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from bridge.config import ConfigError
 from bridge.engine import Engine
 from bridge.first_delivery import FirstDelivery
 from bridge.handler_api import HandlerContext, Permanent, Retry
@@ -299,7 +300,7 @@ async def test_config_reload_retunes_already_queued_tasks(h: Harness) -> None:
     tree = yaml.safe_load(path.read_text())
     tree["queues"]["q"]["max_attempts"] = 2
     path.write_text(yaml.safe_dump(tree))
-    assert engine.config.reload()
+    assert await engine.config.reload()
     task = await h.wait_status(task_id, Status.DEAD)
     assert task.attempt_count == 2 and calls == [2]
 
@@ -309,8 +310,60 @@ async def test_a_reload_that_fails_validation_keeps_the_running_config(h: Harnes
     engine = await h.start(q={"handler": "ok", "max_attempts": 7})
     assert engine.config.path is not None
     engine.config.path.write_text("queues: {q: {handler: ok, max_attempts: -1}}\n")
-    assert not engine.config.reload()
+    assert not await engine.config.reload()
     assert engine.config.queue("q").max_attempts == 7  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("edit", ["remove", "rename", "policy-and-sources"])
+async def test_a_reload_that_needs_a_restart_is_refused_and_the_bridge_runs_on(
+        h: Harness, edit: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Removing a queue crashed the sweep (an assert) and through supervision the bridge; renaming one made its
+    records rdq.Unroutable (the consumer's topic map is read at start). Such a reload is refused as a whole."""
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "ok", "max_attempts": 7, "sources": ["orders"]},
+                           other={"handler": "ok", "sources": ["other"]})
+    path = engine.config.path
+    assert path is not None
+    tree = yaml.safe_load(path.read_text())
+    if edit == "remove":
+        del tree["queues"]["q"]
+    elif edit == "rename":
+        tree["queues"]["q2"] = tree["queues"].pop("q")
+    else:
+        tree["queues"]["q"]["max_attempts"] = 3
+        tree["queues"]["q"]["sources"] = ["orders", "more-orders"]
+    path.write_text(yaml.safe_dump(tree))
+    assert not await engine.config.reload()
+    assert "config reload refused" in caplog.text and "apply only at a restart" in caplog.text
+    assert engine.config.queue("q").max_attempts == 7  # type: ignore[union-attr]
+    await h.wait_status(await h.submit(handler="ok"), Status.SUCCEEDED)
+    await asyncio.sleep(0.3)  # several sweeps
+    assert h.runner is not None and not h.runner.done()
+
+
+async def test_the_sweep_skips_a_queue_that_is_gone(h: Harness) -> None:
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "ok"})
+    engine.config._effective.pop("q")  # as if removed between listing the queues and reading one
+    names = engine.config.queue_names
+    engine.config.queue_names = lambda: [*names(), "q"]  # type: ignore[method-assign]
+    await engine.sweeper.sweep_once()  # raised AssertionError
+
+
+async def test_set_policy_deep_merges_only_policy_fields_and_answers_with_the_policy(h: Harness) -> None:
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "ok", "backoff": {"kind": "exponential", "base": "1s", "max": "5s"},
+                              "http": {"url": "http://127.0.0.1:1/x", "headers": {"authorization": "Bearer s3"}}})
+    merged = engine.config.set_override("q", {"backoff": {"base": "2s"}})
+    assert (merged.backoff.base, merged.backoff.max, merged.backoff.kind) == (2.0, 5.0, "exponential")
+    policy = engine.config.policy_of(merged)
+    assert "http" not in policy and "Bearer" not in str(policy) and policy["backoff"]["max"] == 5.0
+    for bad in ({"http": {"url": "http://evil"}}, {"remote": True}, {"handler": "x"}, {"sources": ["y"]}):
+        with pytest.raises(ConfigError, match="retry policy"):
+            engine.config.set_override("q", bad)
+    with pytest.raises(ConfigError, match=r"queues\.q\.max_attempts"):
+        engine.config.set_override("q", {"max_attempts": 0})
+    assert engine.config.queue("q").backoff.base == 2.0  # type: ignore[union-attr]
 
 
 async def test_redrive_runs_a_dead_task_again_with_the_same_id(h: Harness) -> None:
