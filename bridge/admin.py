@@ -35,6 +35,7 @@ from bridge.config import AdminConfig, ConfigError
 from bridge.dlq import SCHEMA
 from bridge.engine import Engine
 from bridge.model import Attempt, Status, Task, parse_rfc3339
+from bridge.records import SOURCE, parse_source
 from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ def task_summary(task: Task) -> dict[str, Any]:
 class AdminCommands:
     """What each command does to this instance's store and engine."""
 
-    def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None]) -> None:
+    def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None],
+                 owns: Callable[[str, int], bool] | None = None) -> None:
         self.engine = engine
         self.store = engine.store
         self.read_record = read_record  # (topic, partition, offset) → value, for redrive from a DLQ record
+        self.owns = owns or (lambda topic, partition: False)  # is this source partition assigned here now?
 
     async def load_settings(self) -> None:
         """Persisted operator settings (pause, set-policy) apply from the start."""
@@ -114,33 +117,49 @@ class AdminCommands:
         return {"held": True, "redriven": [task_id] if ok else [], "count": int(ok)}
 
     async def _redrive_from_dlq(self, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
+        """Exactly one instance carries it out; every other one refuses, saying why (never `ok` with nothing done).
+
+        With `args.instance`: that instance (it redrives the task if its store has it, else re-creates it from
+        the envelope). Without: the instance whose store has it, and, when it is nowhere, the one that consumes
+        the task's home partition (`rdq.source`) now. A store holding the task on an instance that no longer owns
+        its partition, while the owner re-creates it, would run it twice: `rdq redrive --from-dlq` avoids that
+        by asking first who holds it, then naming one instance."""
         assert args.dlq is not None
         ref = args.dlq
+        me = self.engine.instance_id
+        if args.instance is not None and args.instance != me:
+            raise Refused("NotChosen", f"args.instance names {args.instance!r}; this is {me!r}")
         value = await asyncio.to_thread(self.read_record, ref.topic, ref.partition, ref.offset)
         if value is None:
             raise Refused("NotFound", f"no record at {ref.topic}/{ref.partition}/{ref.offset}")
+        task = self._envelope_task(value)
+        if await self.store.get(task.id) is not None:
+            return {"task_id": task.id, **await self._redrive_one(task.id, cmd.issued_by, cmd.request_id,
+                                                                  args.dry_run)}
+        if args.instance is None:
+            home = parse_source(task.headers.get(SOURCE))
+            if home is None or not self.owns(home[0], home[1]):
+                where = f"its home partition {home[0]}/{home[1]}" if home else "it has no rdq.source, so no home"
+                raise Refused("NotHeld", f"task {task.id} is not in the store of {me!r}, and {where} is not "
+                                         "consumed here; name an instance (args.instance) to re-create it")
+        if args.dry_run:
+            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
+                    "would_recreate": True}
+        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset)
+        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id)
+        return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
+                "count": int(ok)}
+
+    @staticmethod
+    def _envelope_task(value: bytes) -> Task:
         try:
             envelope = json.loads(value)
             if envelope.get("schema") != SCHEMA:
                 raise ValueError(f"schema is {envelope.get('schema')!r}, not {SCHEMA}")
             attempts = tuple(Attempt.from_json(a) for a in envelope.get("attempts", []))
-            task = Task.from_json(envelope["task"], attempts)
-        except (ValueError, KeyError, TypeError) as e:
-            raise Refused("InvalidArgs", f"not an rdq DLQ envelope: {e}") from e
-        if await self.store.get(task.id) is not None:
-            return {"task_id": task.id, **await self._redrive_one(task.id, cmd.issued_by, cmd.request_id,
-                                                                  args.dry_run)}
-        me = self.engine.instance_id
-        if args.instance != me:
-            # No store here holds it: re-create it only where asked, so two instances never both do.
-            return {"task_id": task.id, "held": False, "redriven": [], "count": 0,
-                    "note": f"not held here; re-created only by the instance named in args.instance ({me} here)"}
-        if args.dry_run:
-            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1}
-        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset)
-        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id)
-        return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
-                "count": int(ok)}
+            return Task.from_json(envelope["task"], attempts)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise Refused("InvalidArgs", f"not an rdq DLQ envelope: {type(e).__name__}: {e}") from e
 
     async def get(self, args: GetArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         task = await self.store.get(args.task_id)

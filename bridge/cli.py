@@ -116,19 +116,26 @@ def _cmd_admin(args: argparse.Namespace) -> int:
 
 
 def _redrive_from_dlq(session: Any, config: BridgeConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Ask every instance; if none holds the task, have one instance re-create it from the envelope."""
+    """Ask every instance first (a dry run: who holds the task, who would re-create it), then have exactly one
+    carry it out: the holder, else `--instance`, else the owner of the task's home partition. Returns that
+    instance's answer (the others refuse by design: `NotChosen`)."""
     topic, partition, offset = _dlq_ref(args.from_dlq)
-    base = {"dlq": {"topic": topic, "partition": partition, "offset": offset}, "dry_run": args.dry_run or None}
-    base = {k: v for k, v in base.items() if v is not None}
-    replies: list[dict[str, Any]] = session.request("redrive", base, args.timeout, args.instances).final
-    if any(r.get("ok") and r["result"].get("held") for r in replies) or not replies:
-        return replies
-    if not all(r.get("ok") for r in replies):
-        return replies
-    target = args.instance or sorted(r["instance"] for r in replies)[0]
-    again: list[dict[str, Any]] = session.request("redrive", {**base, "instance": target}, args.timeout,
+    base = {"dlq": {"topic": topic, "partition": partition, "offset": offset}}
+    probe: list[dict[str, Any]] = session.request("redrive", {**base, "dry_run": True}, args.timeout,
                                                   args.instances).final
-    return again
+    if args.dry_run or not probe:
+        return probe
+    holders = sorted(r["instance"] for r in probe if r.get("ok") and r["result"].get("held"))
+    owners = sorted(r["instance"] for r in probe if r.get("ok") and r["result"].get("would_recreate"))
+    if holders:
+        target = holders[0]
+    elif args.instance:
+        target = args.instance
+    else:  # the owner of the home partition; when nobody consumes it, the first instance by name
+        target = (owners or sorted(r["instance"] for r in probe))[0]
+    replies: list[dict[str, Any]] = session.request("redrive", {**base, "instance": target}, args.timeout,
+                                                    args.instances).final
+    return [r for r in replies if r.get("instance") == target]
 
 
 def _dlq_ref(text: str) -> tuple[str, int, int]:

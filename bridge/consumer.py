@@ -91,6 +91,10 @@ class SourceConsumer:
         for tp in list(self._backlog):
             self._start_ready(tp)
 
+    def owns(self, topic: str, partition: int) -> bool:
+        """Is this source partition assigned to this instance now?"""
+        return (topic, partition) in self._assigned
+
     @property
     def store_healthy(self) -> bool:
         return self._store_healthy

@@ -102,6 +102,16 @@ class SourceRecord:
         return headers
 
 
+def parse_source(value: str | None) -> tuple[str, int, int] | None:
+    """`kafka://topic/partition/offset` → (topic, partition, offset); None when it is not one."""
+    if not value or not value.startswith("kafka://"):
+        return None
+    parts = value[len("kafka://"):].rsplit("/", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[1]), int(parts[2])
+
+
 def source_key(headers: dict[str, str]) -> bytes | None:
     value = headers.get(KEY_B64)
     return None if value is None else base64.b64decode(value)

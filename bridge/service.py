@@ -91,7 +91,7 @@ class Bridge:
         self.delivery.on_store_health = self.consumer.set_store_health
         self.admin: AdminLoop | None = None
         if config.admin is not None:
-            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o))
+            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns)
             self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
                                    lambda: make_admin_consumer(config, self.run_id),
                                    lambda: make_producer(config), self.engine.clock.now_ms)

@@ -187,6 +187,47 @@ async def test_two_instances_both_answer_stats(kafka: KafkaEnv, tmp_path: Path, 
     assert all(r["ok"] and r["result"]["configured"] == ["q"] for r in replies)
 
 
+async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """No store holds the task: the instance consuming its home partition re-creates it; the other refuses with
+    a reason (it answered `ok: true, count: 0`, which a script reads as success). Naming an instance overrides."""
+    from bridge.dlq import build_record
+    from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task, new_task_id
+
+    registry, _ = switch_registry()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    queues = {"q": {**QUEUE, "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}}
+    config_a = admin_config(kafka, tmp_path / "a", unique, queues)
+    config_b = admin_config(kafka, tmp_path / "b", unique, queues)
+
+    def envelope(partition: int) -> bytes:
+        task = Task(new_task_id(), "q", "switch", None, b"{}", "application/json",
+                    {"rdq.source": f"kafka://in-{unique}/{partition}/0"}, Status.DEAD, 2, 0, None, None, 0, None,
+                    None, 1_000, 1_000, 2_000, None, ErrorInfo("ConnectionError", "down"), "PUBLISHED", None, None,
+                    None, (Attempt(1, 0, 1_000, 1_100, Outcome.RETRYABLE_FAILURE, ErrorInfo("ConnectionError")),))
+        return build_record(task, 1_000_000).value
+
+    async with running_bridge(config_a, registry, instance_id="bridge-a") as a, \
+            running_bridge(config_b, registry, instance_id="bridge-b") as b:
+        await wait_until(lambda: len(a.consumer._assigned) + len(b.consumer._assigned) == 3 and
+                         a.consumer._assigned and b.consumer._assigned, what="both instances assigned")
+        owned_by_a = sorted(p for _, p in a.consumer._assigned)[0]
+        produce(config_a, f"dlq-{unique}", [(None, envelope(owned_by_a), []), (None, envelope(owned_by_a), [])])
+        records = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=2)
+        first, second = ({"dlq": {"topic": f"dlq-{unique}", "partition": r.partition, "offset": r.offset}}
+                         for r in records)
+        replies = {r["instance"]: r for r in await ask(config_a, "redrive", first, instances=2)}
+        assert replies["bridge-a"]["ok"] and replies["bridge-a"]["result"]["recreated"]
+        assert not replies["bridge-b"]["ok"] and replies["bridge-b"]["error"]["type"] == "rdq.admin.NotHeld"
+        task_id = records[0].value["task"]["id"]
+        assert await a.store.get(task_id) is not None and await b.store.get(task_id) is None
+        second["instance"] = "bridge-b"
+        replies = {r["instance"]: r for r in await ask(config_a, "redrive", second, instances=2)}
+        assert replies["bridge-b"]["ok"] and replies["bridge-b"]["result"]["recreated"]
+        assert not replies["bridge-a"]["ok"] and replies["bridge-a"]["error"]["type"] == "rdq.admin.NotChosen"
+
+
 async def test_set_policy_changes_what_queued_tasks_do(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
     registry, switch = switch_registry()
     config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "max_attempts": 50, "sources": [f"in-{unique}"],
