@@ -351,8 +351,15 @@ class SourceConsumer:
             self._trackers.pop(tp, None)
             self._backlog.pop(tp, None)
             self._running.pop(tp, None)
+            self._suspects.pop(tp, None)
         self._assigned -= tps
         self._paused -= tps
+        # The journal's rows for these partitions (this run's and earlier runs') mark suspects only for this
+        # instance; the next owner starts from the committed offset without them. Kept, they would only grow.
+        try:
+            await self.store.journal_forget_partitions(sorted(tps))
+        except StoreError as e:
+            log.warning("could not prune the journal of revoked partitions (retried at the next revoke): %s", e)
 
     # ---- graceful stop (SPEC §4.9) -----------------------------------------------------------------------
 

@@ -96,6 +96,9 @@ def _attempt_params(task_id: str, report: RunReport, attempt_no: int, redrive_no
 class Store:
     def __init__(self, db: aiosqlite.Connection, path: Path, group_commit_max: int) -> None:
         self._db = db
+        # Scans (stats, lists, counts for gauges and back-pressure) run on a read-only connection of their own:
+        # on the writer's they would queue group commits behind a whole-table count.
+        self._reader: aiosqlite.Connection | None = None
         self.path = path
         self._group_commit_max = group_commit_max
         self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
@@ -122,6 +125,12 @@ class Store:
         except (sqlite3.Error, StoreError) as e:
             await db.close()
             raise StoreError(f"{path}: {e}") from e
+        try:
+            store._reader = await aiosqlite.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=busy_timeout)
+            store._reader.row_factory = sqlite3.Row
+        except sqlite3.Error as e:
+            await db.close()
+            raise StoreError(f"{path}: cannot open a reader: {e}") from e
         store._writer = asyncio.get_running_loop().create_task(store._write_loop(), name="rdq-store-writer")
         return store
 
@@ -160,6 +169,8 @@ class Store:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
             self._writer = None
+        if self._reader is not None:
+            await self._reader.close()
         await self._db.close()
 
     async def limit_size(self, max_bytes: int | None) -> None:
@@ -285,6 +296,15 @@ class Store:
     async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
             return await self._in_thread(fn, self._conn)
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: read failed: {e}") from e
+
+    async def _scan(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """A read that may visit many rows: on the reader connection, never in the way of group commits."""
+        assert self._reader is not None
+        try:
+            result: T = await self._reader._execute(fn, self._reader._conn)  # type: ignore[no-untyped-call]
+            return result
         except sqlite3.Error as e:
             raise StoreError(f"{self.path}: read failed: {e}") from e
 
@@ -476,7 +496,7 @@ class Store:
 
     async def dlq_stuck(self) -> dict[str, dict[str, int]]:
         """By queue: how many outbox entries failed their last publish, and the most tries of one."""
-        rows = await self._read(lambda c: c.execute(q("dlq_stuck_by_queue")).fetchall())
+        rows = await self._scan(lambda c: c.execute(q("dlq_stuck_by_queue")).fetchall())
         return {r["queue"]: {"entries": r["n"], "most_failures": r["most_failures"]} for r in rows}
 
     async def secret(self, name: str, make: Callable[[], bytes]) -> bytes:
@@ -573,6 +593,13 @@ class Store:
         rows = await self._read(lambda c: c.execute(q("journal_suspects"), {"run_id": run_id}).fetchall())
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
+    async def journal_forget_partitions(self, partitions: list[tuple[str, int]]) -> None:
+        def apply(conn: sqlite3.Connection) -> None:
+            for topic, partition in partitions:
+                conn.execute(q("journal_forget_partition"), {"topic": topic, "partition": partition})
+
+        await self._submit(apply)
+
     async def journal_forget_run(self, run_id: str) -> None:
         await self._submit(lambda c: c.execute(q("journal_forget_run"), {"run_id": run_id}))
 
@@ -595,17 +622,17 @@ class Store:
 
     async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100) -> list[Task]:
         params = {"queue": queue, "status": status.value if status else None, "limit": limit}
-        rows = await self._read(lambda c: c.execute(q("list_tasks"), params).fetchall())
+        rows = await self._scan(lambda c: c.execute(q("list_tasks"), params).fetchall())
         return [Task.from_row(r) for r in rows]
 
     async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
                        until: int | None = None, limit: int = 1000) -> list[str]:
         params = {"queue": queue, "error_type": error_type, "since": since, "until": until, "limit": limit}
-        rows = await self._read(lambda c: c.execute(q("dead_tasks_filtered"), params).fetchall())
+        rows = await self._scan(lambda c: c.execute(q("dead_tasks_filtered"), params).fetchall())
         return [r[0] for r in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
-        rows = await self._read(lambda c: c.execute(q("count_by_queue_status")).fetchall())
+        rows = await self._scan(lambda c: c.execute(q("count_by_queue_status")).fetchall())
         out: dict[str, dict[str, int]] = {}
         for queue, status, n in rows:
             out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
@@ -613,11 +640,11 @@ class Store:
 
     async def open_counts(self) -> dict[str, dict[str, int]]:
         """PENDING and IN_FLIGHT counts by queue (the open-tasks gauge)."""
-        rows = await self._read(lambda c: c.execute(q("count_open_by_queue_status")).fetchall())
+        rows = await self._scan(lambda c: c.execute(q("count_open_by_queue_status")).fetchall())
         out: dict[str, dict[str, int]] = {}
         for queue, status, n in rows:
             out.setdefault(queue, {"PENDING": 0, "IN_FLIGHT": 0})[status] = n
         return out
 
     async def count_open(self, queue: str) -> int:
-        return int(await self._read(lambda c: c.execute(q("count_open"), {"queue": queue}).fetchone()[0]))
+        return int(await self._scan(lambda c: c.execute(q("count_open"), {"queue": queue}).fetchone()[0]))

@@ -398,3 +398,42 @@ async def test_one_unstorable_task_fails_alone_not_its_batch_nor_the_store(store
     assert [r for i, r in enumerate(results) if i != 2] == [t.id for t in good]
     assert store.writable
     assert [await store.get(t.id) is not None for t in good] == [True] * 5
+
+
+async def test_a_revoked_partitions_journal_rows_are_pruned(store: Store, tmp_path: Path) -> None:
+    """Rows of partitions now owned by another instance stayed for ever (this instance never commits past them)."""
+    from bridge.clock import SystemClock
+    from bridge.consumer import SourceConsumer
+    from bridge.live_config import LiveConfig
+    from tests.helpers import engine_config
+
+    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "ok", "sources": ["t"]})
+    consumer = SourceConsumer(config, LiveConfig(config), None, store, "run-now", SystemClock(),  # type: ignore[arg-type]
+                              lambda: None)  # type: ignore[arg-type, return-value]
+    await store.journal_inflight("run-old", [("t", 0, 10, 20), ("t", 1, 5, 9)], [], T0)
+    await store.journal_inflight("run-now", [("t", 0, 21, 30)], [], T0)
+    await consumer._forget({("t", 0)})
+    assert await store.journal_suspects("another-run") == [("t", 1, 5, 9)]
+
+
+async def test_scans_do_not_hold_back_group_commits(store: Store) -> None:
+    """`stats` counted the whole table on the connection that does group commits: every failure being stored
+    waited behind it. Scans now run on a reader of their own: with that reader busy, writes still commit."""
+    import threading
+
+    busy = threading.Event()
+    release = threading.Event()
+
+    def hold(conn: sqlite3.Connection) -> None:
+        busy.set()
+        release.wait(10)
+
+    assert store._reader is not None
+    holding = asyncio.ensure_future(store._reader._execute(hold, store._reader._conn))
+    await asyncio.to_thread(busy.wait, 5)
+    counting = asyncio.ensure_future(store.counts())  # queued behind the held reader
+    stored = await asyncio.wait_for(store.submit(failure()), 5)  # the writer is not held back
+    assert await store.get(stored) is not None and not counting.done()
+    release.set()
+    await holding
+    assert (await counting)["q"]["PENDING"] == 1

@@ -225,6 +225,10 @@ ON CONFLICT (topic, partition, run_id) DO UPDATE SET lo = excluded.lo, hi = excl
 -- Ranges wholly below the committed offset can no longer come back.
 DELETE FROM inflight WHERE topic = :topic AND partition = :partition AND hi < :committed;
 
+-- name: journal_forget_partition
+-- The partition went to another instance: what this store journaled for it can no longer be used here.
+DELETE FROM inflight WHERE topic = :topic AND partition = :partition;
+
 -- name: journal_forget_run
 DELETE FROM inflight WHERE run_id = :run_id;
 
