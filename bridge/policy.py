@@ -68,10 +68,12 @@ def bounded_delay(queue: QueueConfig, requested: float | None) -> float | None:
     """A delay a handler or a peer asked for, made safe: None when absent or not a number (NaN: the backoff
     applies), at least 0, at most `max_retry_after` and `queue_timeout` (an infinite or huge value must not
     overflow a timestamp, nor park a task past its whole-life bound)."""
-    if requested is None or not isinstance(requested, int | float) or math.isnan(requested):
+    if not isinstance(requested, int | float) or isinstance(requested, bool):
+        return None
+    if isinstance(requested, float) and math.isnan(requested):  # (an int may be too large for isnan's float)
         return None
     ceiling = min(queue.max_retry_after, queue.queue_timeout or math.inf)
-    return min(max(0.0, float(requested)), ceiling)
+    return float(min(max(0.0, requested), ceiling))  # compare before converting: an int may not fit a float
 
 
 def decide(queue: QueueConfig, outcome: Outcome, attempt_count: int, requested_delay: float | None = None,

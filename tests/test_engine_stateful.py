@@ -24,6 +24,7 @@ from bridge.store import RunReport, Store
 from bridge.sweep import Sweeper
 
 MAX_ATTEMPTS = 3
+DELAYS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**400), 10**400))
 
 
 @dataclass
@@ -136,10 +137,25 @@ class Lifecycle(RuleBasedStateMachine):
             self.finished_epochs.add(epoch)
 
     @precondition(lambda self: self.holders)
-    @rule(data=st.data(), permanent=st.booleans())
-    def failure(self, data: st.DataObject, permanent: bool) -> None:
+    @rule(data=st.data(), permanent=st.booleans(), delay=DELAYS)
+    def failure(self, data: st.DataObject, permanent: bool, delay: float | int | None) -> None:
+        """A holder fails, maybe asking for a delay of its own: huge, infinite, negative and NaN included."""
         self.step()
-        self.fail_as(data.draw(st.sampled_from(self.holders)), permanent)
+        self.fail_as(data.draw(st.sampled_from(self.holders)), permanent, delay)
+
+    @precondition(lambda self: self.ids)
+    @rule(data=st.data(), token=st.one_of(st.integers(-(2**63), 0), st.integers(1, 2**62)))
+    def forged_success(self, data: st.DataObject, token: int) -> None:
+        """A success with a token never issued for that task (0, negative, or past the current one): refused,
+        nothing changes. (A token within 1..current was issued: that is a late success, the `success` rule.)"""
+        self.step()
+        task_id = data.draw(st.sampled_from(self.ids))
+        before = self.before.get(task_id)
+        if before is not None and 1 <= token <= before.lease_token:
+            token = before.lease_token + token  # past the current one: never issued
+        result = self.run(self.store.record_success(task_id, token, 1, self.report(Outcome.SUCCESS)))
+        assert not result.accepted, "a forged token finished a task"
+        assert self.run(self.store.get(task_id)) == before
 
     @precondition(lambda self: any(not self.holds_now(h) for h in self.holders))
     @rule(data=st.data(), permanent=st.booleans())
@@ -152,12 +168,12 @@ class Lifecycle(RuleBasedStateMachine):
         task = self.run(self.store.get(holder.task_id))
         return task is not None and task.status == Status.IN_FLIGHT and task.lease_token == holder.token
 
-    def fail_as(self, holder: Holder, permanent: bool) -> None:
+    def fail_as(self, holder: Holder, permanent: bool, delay: float | int | None = None) -> None:
         before = self.before.get(holder.task_id)
         queue = self.config.queue("q")
         assert queue is not None
         outcome = Outcome.PERMANENT_FAILURE if permanent else Outcome.RETRYABLE_FAILURE
-        decision = decide(queue, outcome, holder.attempt_no, rand=lambda: 1.0)
+        decision = decide(queue, outcome, holder.attempt_no, delay, rand=lambda: 1.0)
         report = self.report(outcome)
         if decision.retry_after is None:
             result = self.run(self.store.record_dead(holder.task_id, holder.token, report, ErrorInfo("E", "x")))
@@ -224,7 +240,11 @@ class Lifecycle(RuleBasedStateMachine):
             statuses = dict(conn.execute("SELECT id, status FROM tasks").fetchall())
         finally:
             conn.close()
+        assert self.store.writable
         for task_id, task in self.tasks().items():
+            # A requested delay never parks a task past the queue's bounds (queue_timeout 20 s here).
+            if task.next_attempt_at is not None:
+                assert task.next_attempt_at <= self.clock.now_ms() + 20_000
             # Every task is in exactly one status, with the fields that status requires.
             assert statuses[task_id] == task.status.value
             assert (task.status == Status.IN_FLIGHT) == (task.lease_expires_at is not None)

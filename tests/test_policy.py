@@ -28,7 +28,7 @@ def test_a_fixed_backoff_waits_what_it_says_unless_jitter_is_asked_for() -> None
 
 @pytest.mark.parametrize(("asked", "expected"), [
     (30.0, 30.0), (0.0, 0.0), (-5.0, 0.0), (math.inf, 3600.0), (1e300, 3600.0), (2**70, 3600.0),
-    (math.nan, None), (None, None),
+    (math.nan, None), (None, None), (10**400, 3600.0), (-(10**400), 0.0),
 ])
 def test_a_requested_delay_is_bounded(asked: float | None, expected: float | None) -> None:
     assert bounded_delay(queue(max_retry_after="1h"), asked) == expected
