@@ -218,6 +218,13 @@ async def hang(ctx: HandlerContext) -> None:
     await asyncio.sleep(3600)  # never heartbeats, never returns
 
 
+_NEVER = threading.Event()
+
+
+def hang_sync(ctx: HandlerContext) -> None:
+    _NEVER.wait()  # a thread cannot be cancelled: it stays stuck; the queue's own threads absorb it
+
+
 async def leak(ctx: HandlerContext) -> None:
     while True:  # heartbeats forever: holds its lease until the queue timeout
         await asyncio.sleep(0.2)
@@ -315,6 +322,10 @@ def main() -> int:
             "hang": lambda: in_process("a handler that hangs forever (no heartbeat)", bootstrap, tmp, hang,
                                        {"lease": "1s", "max_attempts": 2, "backoff": {"kind": "fixed", "base": 0}},
                                        [b"{}"] * 30),
+            "hang-sync": lambda: in_process("a sync handler that blocks forever (threads cannot be cancelled)",
+                                            bootstrap, tmp, hang_sync,
+                                            {"lease": "1s", "max_attempts": 2, "queue_timeout": "15s",
+                                             "backoff": {"kind": "fixed", "base": 0}}, [b"{}"] * 30),
             "leak": lambda: in_process("a handler that leaks its lease (heartbeats forever)", bootstrap, tmp, leak,
                                        {"lease": "2s", "queue_timeout": "4s"}, [b"{}"] * 30),
             "crash": lambda: crash(bootstrap, tmp),
