@@ -278,7 +278,11 @@ class AdminLoop:
         since = self._now_ms() - self.window_ms
         wanted = [TopicPartition(topic, p, since) for p in metadata.partitions]
         offsets = consumer.offsets_for_times(wanted, timeout=30)
-        consumer.assign([TopicPartition(topic, o.partition, o.offset if o.offset >= 0 else -1) for o in offsets])
+        # No record since then: start at the partition's end *as of now*, a concrete offset. (OFFSET_END would be
+        # resolved at the first fetch, later: a command produced in between would be skipped.)
+        start = [o.offset if o.offset >= 0 else consumer.get_watermark_offsets(
+            TopicPartition(topic, o.partition), timeout=30)[1] for o in offsets]
+        consumer.assign([TopicPartition(topic, o.partition, at) for o, at in zip(offsets, start, strict=True)])
         return True
 
     async def handle(self, value: bytes | None, headers: list[tuple[str, bytes | None]]) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from bridge.admin_protocol import encode_command
 from bridge.config import BridgeConfig
@@ -60,12 +60,21 @@ class AdminSession:
         metadata = self._consumer.list_topics(topic, timeout=15).topics.get(topic)
         if metadata is None or metadata.error is not None:
             raise AdminClientError(f"reply topic {topic!r} is not available: {metadata.error if metadata else ''}")
-        assignment = []
-        for partition in metadata.partitions:
-            _, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=15)
-            assignment.append(TopicPartition(topic, partition, high))
+        assignment = [TopicPartition(topic, p, self._end_of(TopicPartition(topic, p))) for p in metadata.partitions]
         self._consumer.assign(assignment)
         self._listening = True
+
+    def _end_of(self, tp: TopicPartition, within: float = 15.0) -> int:
+        """The partition's end offset; an error (a leader not elected yet, right after the topic was created) is
+        retried within `within` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                return int(self._consumer.get_watermark_offsets(tp, timeout=within)[1])
+            except KafkaException:  # e.g. NOT_LEADER_FOR_PARTITION, which librdkafka does not flag retriable
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def request(self, command: str, args: dict[str, Any], timeout: float = 5.0, instances: int | None = None,
                 on_partial: Callable[[dict[str, Any]], None] | None = None) -> Replies:

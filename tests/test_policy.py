@@ -57,3 +57,13 @@ def test_durations_cannot_be_infinite_huge_or_negative(bad: str) -> None:
             "queues": {"q": {"handler": "h", "backoff": {"max": yaml.safe_load(bad)}}}}
     with pytest.raises(ConfigError, match=r"queues\.q\.backoff\.max"):
         parse_config(tree)
+
+
+def test_a_huge_http_retry_after_is_bounded_too() -> None:
+    from bridge.http_handler import HttpRetryableError, classify_response
+
+    with pytest.raises(HttpRetryableError) as caught:
+        classify_response(503, {"Retry-After": "9" * 40}, "busy", "POST http://app")
+    assert caught.value.after is not None and caught.value.after > 1e39
+    decision = decide(queue(max_retry_after="2h"), Outcome.RETRYABLE_FAILURE, 1, caught.value.after)
+    assert decision.retry_after == 7200.0

@@ -482,3 +482,20 @@ async def test_a_hung_sync_handler_cannot_starve_other_queues(h: Harness) -> Non
         release.set()
     await eventually(lambda: engine.threads.pool("hung").stuck == 0, within=5)
     assert engine.threads.pool("hung").stuck == 0  # released threads are counted back
+
+
+async def test_a_reload_reads_the_file_off_the_event_loop(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bridge.live_config
+
+    h.registry.register("ok", lambda ctx: None)
+    engine = await h.start(q={"handler": "ok"})
+    readers: list[str] = []
+    original = bridge.live_config.load_config
+
+    def load(path: Any) -> Any:
+        readers.append(threading.current_thread().name)
+        return original(path)
+
+    monkeypatch.setattr(bridge.live_config, "load_config", load)
+    assert await engine.config.reload()
+    assert readers and readers[0] != threading.main_thread().name
