@@ -22,7 +22,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +57,33 @@ class Row:
     duplicates: int
     note: str = ""
     duplicate_dlq: int = 0
+    # What this row claims beyond "nothing lost, no duplicate in the DLQ": field → exact value, or field →
+    # (lowest, highest). The gate fails the suite when one does not hold.
+    expect: dict[str, int | tuple[int, int]] = field(default_factory=dict)
+    schema: int = 0  # the old-store row: the schema version the store was migrated to
+    refused: int = 0  # the bad-config row: configs refused clearly (exit 2, naming file and field)
 
     @classmethod
-    def of(cls, fault: str, result: Accounting, note: str = "") -> Row:
+    def of(cls, fault: str, result: Accounting, note: str = "", **expect: int | tuple[int, int]) -> Row:
         return cls(fault, len(result.produced), len(set(result.successes)), len(set(result.dead)),
                    len(result.missing), result.duplicate_successes + result.duplicate_dead, note,
-                   result.duplicate_dead)
+                   result.duplicate_dead, expect)
+
+    def failures(self) -> list[str]:
+        """Every claim of this row that does not hold (empty: the row passes)."""
+        problems = []
+        if self.lost != 0:
+            problems.append(f"lost {self.lost}")
+        if self.duplicate_dlq != 0:
+            problems.append(f"{self.duplicate_dlq} duplicates in the DLQ")
+        if "ERROR" in self.note or "exited" in self.note:
+            problems.append(self.note)
+        for name, wanted in self.expect.items():
+            got = getattr(self, name)
+            low, high = wanted if isinstance(wanted, tuple) else (wanted, wanted)
+            if not low <= got <= high:
+                problems.append(f"{name} = {got}, expected {wanted}")
+        return problems
 
 
 def mixed(n: int, rng: random.Random, transient: float = 0.30, permanent: float = 0.05) -> list[bytes]:
@@ -136,7 +157,9 @@ def sigkill(bootstrap: str, tmp: Path, quick: bool) -> Row:
         result = settle(lambda: account(config, log, topic, dlq, n), 600)
     finally:
         bridge.terminate()
-    return Row.of(f"SIGKILL x{kills} during the run (30% transient, 5% permanent)", result)
+    permanent = sum(b'"fail": 99' in p for p in payloads)
+    return Row.of(f"SIGKILL x{kills} during the run (30% transient, 5% permanent)", result,
+                  dlq=(permanent, n), successes=(1, n - permanent))
 
 
 def broker_down(tmp: Path, quick: bool) -> Row:
@@ -163,7 +186,9 @@ def broker_down(tmp: Path, quick: bool) -> Row:
         result = settle(lambda: account(config, log, topic, dlq, 4000), 300)
         alive = bridge.alive
         bridge.terminate()
-        return Row.of(f"broker down {outage} s mid-run", result, "" if alive else "bridge exited!")
+        permanent = sum(b'"fail": 99' in p for p in first + second)
+        return Row.of(f"broker down {outage} s mid-run", result, "" if alive else "bridge exited!",
+                      dlq=(permanent, 4000), successes=(1, 4000 - permanent))
     finally:
         broker.stop()
 
@@ -189,11 +214,12 @@ def store_full(bootstrap: str, tmp: Path, quick: bool) -> Row:
 
     note = asyncio.run(run())
     return Row.of("store full (SQLite page limit), then space returns", account(config, tmp / "none.log", topic,
-                                                                              dlq, n, expect_dead=n), note)
+                                                                              dlq, n, expect_dead=n), note,
+                  dlq=n, successes=0)
 
 
 def in_process(fault: str, bootstrap: str, tmp: Path, handler: Callable[[HandlerContext], Any],
-               queue: dict[str, Any], payloads: list[bytes]) -> Row:
+               queue: dict[str, Any], payloads: list[bytes], **expect: int | tuple[int, int]) -> Row:
     unique = uuid.uuid4().hex[:8]
     topic, dlq = names(unique)
     tmp = own_dir(tmp, unique)
@@ -209,7 +235,7 @@ def in_process(fault: str, bootstrap: str, tmp: Path, handler: Callable[[Handler
             return await asyncio.to_thread(settle, lambda: account(config, log, topic, dlq, len(payloads)), 180)
 
     try:
-        return Row.of(fault, asyncio.run(run()))
+        return Row.of(fault, asyncio.run(run()), **expect)
     finally:
         del os.environ["RDQ_EXAMPLE_LOG"]
 
@@ -250,7 +276,8 @@ def crash(bootstrap: str, tmp: Path) -> Row:
         time.sleep(2)
         result = account(config, tmp / "none.log", topic, dlq, n)
     bridge.terminate()
-    return Row.of("a handler that kills its process (poison pills)", result, f"{bridge.starts} starts")
+    return Row.of("a handler that kills its process (poison pills)", result, f"{bridge.starts} starts", dlq=n,
+                  successes=0)
 
 
 def bad_configs(tmp: Path) -> Row:
@@ -268,7 +295,7 @@ def bad_configs(tmp: Path) -> Row:
                               capture_output=True, text=True, timeout=60)
         refused += int(proc.returncode == 2 and str(path) in proc.stderr)
     return Row("bad config files (rdq run exits 2 naming file and field)", len(cases), 0, 0, 0, 0,
-               f"{refused}/{len(cases)} refused clearly")
+               f"{refused}/{len(cases)} refused clearly", expect={"refused": len(cases)}, refused=refused)
 
 
 def old_store(bootstrap: str, tmp: Path) -> Row:
@@ -301,7 +328,8 @@ def old_store(bootstrap: str, tmp: Path) -> Row:
         del os.environ["RDQ_EXAMPLE_LOG"]
     successes = {line["source"] for line in example_log(log)}
     return Row("a store file from schema version 1 (50 PENDING tasks)", n, len(successes), 0, n - len(successes),
-               len(example_log(log)) - len(successes), f"migrated to v{version_now}")
+               len(example_log(log)) - len(successes), f"migrated to v{version_now}",
+               expect={"successes": n, "schema": len(migrations())}, schema=version_now)
 
 
 def main() -> int:
@@ -321,18 +349,21 @@ def main() -> int:
             "full": lambda: store_full(bootstrap, tmp, args.quick),
             "hang": lambda: in_process("a handler that hangs forever (no heartbeat)", bootstrap, tmp, hang,
                                        {"lease": "1s", "max_attempts": 2, "backoff": {"kind": "fixed", "base": 0}},
-                                       [b"{}"] * 30),
+                                       [b"{}"] * 30, dlq=30, successes=0),
             "hang-sync": lambda: in_process("a sync handler that blocks forever (threads cannot be cancelled)",
                                             bootstrap, tmp, hang_sync,
                                             {"lease": "1s", "max_attempts": 2, "queue_timeout": "15s",
-                                             "backoff": {"kind": "fixed", "base": 0}}, [b"{}"] * 30),
+                                             "backoff": {"kind": "fixed", "base": 0}}, [b"{}"] * 30,
+                                            dlq=30, successes=0),
             "leak": lambda: in_process("a handler that leaks its lease (heartbeats forever)", bootstrap, tmp, leak,
-                                       {"lease": "2s", "queue_timeout": "4s"}, [b"{}"] * 30),
+                                       {"lease": "2s", "queue_timeout": "4s"}, [b"{}"] * 30, dlq=30, successes=0),
             "crash": lambda: crash(bootstrap, tmp),
             "garbage": lambda: in_process("garbage source records (random bytes, binary keys/headers)", bootstrap,
-                                          tmp, REGISTRY.get("flaky").fn, {}, garbage),  # type: ignore[union-attr]
+                                          tmp, REGISTRY.get("flaky").fn, {}, garbage,  # type: ignore[union-attr]
+                                          dlq=(1, 500)),
             "huge": lambda: in_process("huge records (900 KB)", bootstrap, tmp,
-                                       REGISTRY.get("permanent").fn, {}, huge),  # type: ignore[union-attr]
+                                       REGISTRY.get("permanent").fn, {}, huge,  # type: ignore[union-attr]
+                                       dlq=10, successes=0),
             "config": lambda: bad_configs(tmp),
             "old-store": lambda: old_store(bootstrap, tmp),
         }
@@ -353,7 +384,9 @@ def main() -> int:
     lines += [f"| {r.fault} | {r.records} | {r.successes} | {r.dlq} | {r.lost} | {r.duplicates} ({r.duplicate_dlq}) "
               f"| {r.note} |" for r in rows]
     record("fault suite" + (" (quick)" if args.quick else ""), lines)
-    bad = [r for r in rows if r.lost != 0 or "ERROR" in r.note or "exited" in r.note]
+    bad = [(r.fault, r.failures()) for r in rows if r.failures()]
+    for fault, problems in bad:
+        print(f"FAILED: {fault}: {'; '.join(problems)}", file=sys.stderr)
     return 1 if bad else 0
 
 

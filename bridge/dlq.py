@@ -176,6 +176,7 @@ class DlqPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, Task] = {}
         self._stuck_queues: set[str] = set()
+        self._stopping = False
         self._limits: dict[str, int] = {}
         self._marking: set[asyncio.Task[None]] = set()
         self._polling = threading.Event()
@@ -307,18 +308,32 @@ class DlqPublisher:
         marking.add_done_callback(self._marking.discard)
 
     async def _mark(self, task: Task, topic: str, partition: int, offset: int) -> None:
+        """Record where the broker put it. While the store cannot be written (full disk) the mark is retried and
+        the entry stays pending here: sending it again would put a duplicate in the DLQ. Only a stop (or a crash)
+        before the mark is written leaves it to be republished: a duplicate, never a loss."""
+        delay = 0.1
         try:
-            await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms())
+            while True:
+                try:
+                    await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms())
+                    break
+                except StoreError as e:
+                    if self._stopping:
+                        log.error("could not record the DLQ publish (republished after the restart): %s", e,
+                                  extra={"task_id": task.id})
+                        return
+                    log.warning("could not record the DLQ publish yet (retrying): %s", e, extra={"task_id": task.id})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
             self.published += 1
             self.telemetry.metrics.dlq_published.labels(task.queue).inc()
             log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
                      extra={"task_id": task.id, "queue": task.queue})
-        except StoreError as e:  # acknowledged but not recorded: republished later (a duplicate, never a loss)
-            log.error("could not record the DLQ publish: %s", e, extra={"task_id": task.id})
         finally:
             self._pending.pop(task.id, None)
 
     async def _finish(self, poller: threading.Thread) -> None:
+        self._stopping = True
         if self._producer is not None:
             await asyncio.to_thread(self._producer.flush, 5.0)
         self._polling.clear()

@@ -70,6 +70,26 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaEnv]:
 
 
 @pytest.fixture
+def stoppable_broker(kafka: KafkaEnv, tmp_path: Path) -> Iterator[LocalBroker]:
+    """A broker this test may stop and start (an outage). The suite's own broker when this run owns it (it is
+    running again when the test ends); with a broker from KAFKA_BOOTSTRAP_SERVERS or Docker, which a test must not
+    stop, a local broker of the test's own."""
+    if kafka.broker is not None:
+        yield kafka.broker
+        kafka.broker.start()  # a no-op when it runs
+        return
+    broker = LocalBroker(tmp_path / "kafka")
+    try:
+        broker.start()
+    except BrokerError as e:
+        pytest.fail(f"a broker outage test needs a broker it may stop; the local broker failed: {e}", pytrace=False)
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
 def unique() -> str:
     """A suffix for this test's topics and groups."""
     return uuid.uuid4().hex[:10]

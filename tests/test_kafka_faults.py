@@ -120,11 +120,11 @@ def test_a_handler_that_kills_its_process_ends_in_the_dlq(kafka: KafkaEnv, tmp_p
 
 
 async def test_broker_down_and_back_loses_nothing_without_a_restart(tmp_path: Path, unique: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    stoppable_broker: LocalBroker) -> None:
     log_path = tmp_path / "example.log"
     monkeypatch.setenv("RDQ_EXAMPLE_LOG", str(log_path))
-    broker = LocalBroker(tmp_path / "kafka")
-    await asyncio.to_thread(broker.start)
+    broker = stoppable_broker
     try:
         topic, dlq = f"in-{unique}", f"dlq-{unique}"
         config = kafka_config(broker.bootstrap_servers, tmp_path, unique, {
@@ -145,7 +145,7 @@ async def test_broker_down_and_back_loses_nothing_without_a_restart(tmp_path: Pa
         print(f"\nbroker down 12 s: {result.summary()}")  # type: ignore[attr-defined]
         assert not result.missing  # type: ignore[attr-defined]
     finally:
-        await asyncio.to_thread(broker.stop)
+        await asyncio.to_thread(broker.start)  # running again for the tests after this one (a no-op if it runs)
 
 
 def test_a_second_bridge_joining_and_leaving_loses_nothing(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:

@@ -292,3 +292,41 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
         await wait_until(lambda: metrics.get_sample_value("rdq_dlq_stuck", {"queue": "q"}) == 2, within=10,
                          what="the stuck gauge")
         assert [p for p in asyncio.all_tasks() if p.get_name() == "rdq-dlq" and p.done()] == []  # still publishing
+
+
+async def test_a_dlq_publish_the_store_cannot_record_yet_is_not_sent_twice(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """The broker acknowledged the DLQ record, but the store could not record it (a full disk fails the whole
+    group commit the mark is in). The mark is retried; the record was sent again each round (duplicates)."""
+    from bridge.model import ErrorInfo
+    from bridge.store import Store, StoreError
+    from tests.helpers import failure
+
+    dlq = f"dlq-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": dlq}})
+    store = await Store.open(config.store.path)
+    tasks = [failure(dead=ErrorInfo("Permanent", "no"), now=1_000 + i) for i in range(5)]
+    for task in tasks:
+        await store.submit(task)
+    await store.close()
+    full = True
+    tries = 0
+    async with running_bridge(config) as bridge:
+        real_mark = bridge.store.mark_dlq_published
+
+        async def mark(*args: object, **kw: object) -> bool:
+            nonlocal tries
+            if full:
+                tries += 1
+                raise StoreError("database or disk is full")
+            return await real_mark(*args, **kw)  # type: ignore[arg-type]
+
+        bridge.store.mark_dlq_published = mark  # type: ignore[method-assign]
+        await aread_dlq(kafka.bootstrap_servers, dlq, expect=5)
+        await wait_until(lambda: tries >= 15, within=30, what="marks retried meanwhile")
+        full = False
+        await wait_until(lambda: bridge.dlq.published == 5, within=30, what="marks recorded once space returns")
+        assert await bridge.store.dlq_outbox() == []
+    records = await aread_dlq(kafka.bootstrap_servers, dlq)
+    assert sorted(r.headers["rdq.task_id"].decode() for r in records) == sorted(t.id for t in tasks)  # once each

@@ -146,9 +146,8 @@ async def test_metrics_after_a_scripted_scenario(kafka: KafkaEnv, tmp_path: Path
     assert m[("rdq_ready", ())] == 1 and code == 200
 
 
-async def test_readyz_follows_the_broker(tmp_path: Path, unique: str) -> None:
-    broker = LocalBroker(tmp_path / "kafka")
-    await asyncio.to_thread(broker.start)
+async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_broker: LocalBroker) -> None:
+    broker = stoppable_broker
     try:
         config = kafka_config(broker.bootstrap_servers, tmp_path, unique, {
             "q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}},
@@ -170,7 +169,7 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str) -> None:
             await asyncio.to_thread(broker.start)
             await wait_until(lambda: ready_is(True), within=60, what="ready again")
     finally:
-        await asyncio.to_thread(broker.stop)
+        await asyncio.to_thread(broker.start)  # running again for the tests after this one (a no-op if it runs)
 
 
 async def test_readyz_turns_false_when_the_store_cannot_be_written(kafka: KafkaEnv, tmp_path: Path,
