@@ -41,6 +41,7 @@ from bridge.store import StoreError
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 _PROGRESS_EVERY = 500
+_CATCH_UP = 1000  # records per admin partition read back at most when the time lookup finds none
 
 
 def task_summary(task: Task) -> dict[str, Any]:
@@ -88,7 +89,7 @@ class AdminCommands:
     async def redrive(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         by = cmd.issued_by
         if args.task_id is not None:
-            return await self._redrive_one(args.task_id, by, cmd.request_id, args.dry_run)
+            return await self._redrive_one(args.task_id, cmd, args.dry_run)
         if args.dlq is not None:
             return await self._redrive_from_dlq(args, cmd)
         assert args.queue is not None
@@ -99,12 +100,12 @@ class AdminCommands:
         done: list[str] = []
         for start in range(0, len(ids), _PROGRESS_EVERY):
             chunk = ids[start : start + _PROGRESS_EVERY]
-            done += await self.engine.redrive_many(chunk, by, cmd.request_id)
+            done += await self.engine.redrive_many(chunk, by, cmd.request_id, cmd.key_id)
             if len(ids) > _PROGRESS_EVERY:
                 await progress({"progress": {"done": start + len(chunk), "total": len(ids)}})
         return {"dry_run": False, "redriven": done, "count": len(done), "matched": len(ids)}
 
-    async def _redrive_one(self, task_id: str, by: str | None, request_id: str, dry_run: bool) -> dict[str, Any]:
+    async def _redrive_one(self, task_id: str, cmd: Command, dry_run: bool) -> dict[str, Any]:
         task = await self.store.get(task_id)
         if task is None:
             return {"held": False, "redriven": [], "count": 0}
@@ -113,7 +114,7 @@ class AdminCommands:
                     "note": "only a DEAD task can be redriven"}
         if dry_run:
             return {"held": True, "dry_run": True, "matched": [task_id], "count": 1}
-        ok = await self.engine.redrive(task_id, by, request_id)
+        ok = await self.engine.redrive(task_id, cmd.issued_by, cmd.request_id, cmd.key_id)
         return {"held": True, "redriven": [task_id] if ok else [], "count": int(ok)}
 
     async def _redrive_from_dlq(self, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
@@ -134,8 +135,7 @@ class AdminCommands:
             raise Refused("NotFound", f"no record at {ref.topic}/{ref.partition}/{ref.offset}")
         task = self._envelope_task(value)
         if await self.store.get(task.id) is not None:
-            return {"task_id": task.id, **await self._redrive_one(task.id, cmd.issued_by, cmd.request_id,
-                                                                  args.dry_run)}
+            return {"task_id": task.id, **await self._redrive_one(task.id, cmd, args.dry_run)}
         if args.instance is None:
             home = parse_source(task.headers.get(SOURCE))
             if home is None or not self.owns(home[0], home[1]):
@@ -146,7 +146,7 @@ class AdminCommands:
             return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
                     "would_recreate": True}
         await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset)
-        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id)
+        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id)
         return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
                 "count": int(ok)}
 
@@ -183,13 +183,13 @@ class AdminCommands:
 
     async def pause(self, args: QueueArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         queue = self._queue(args.queue)
-        await self.store.set_paused(queue, True, cmd.issued_by, self.engine.clock.now_ms())
+        await self.store.set_paused(queue, True, cmd.issued_by, self.engine.clock.now_ms(), cmd.key_id)
         self.engine.scheduler.paused.add(queue)
         return {"queue": queue, "paused": True}
 
     async def resume(self, args: QueueArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         queue = self._queue(args.queue)
-        await self.store.set_paused(queue, False, cmd.issued_by, self.engine.clock.now_ms())
+        await self.store.set_paused(queue, False, cmd.issued_by, self.engine.clock.now_ms(), cmd.key_id)
         self.engine.scheduler.paused.discard(queue)
         self.engine.scheduler.wake(queue)
         return {"queue": queue, "paused": False}
@@ -200,7 +200,7 @@ class AdminCommands:
             effective = self.engine.config.set_override(queue, args.policy)
         except (ConfigError, ValueError) as e:
             raise Refused("InvalidArgs", str(e)) from e
-        await self.store.set_policy(queue, args.policy, cmd.issued_by, self.engine.clock.now_ms())
+        await self.store.set_policy(queue, args.policy, cmd.issued_by, self.engine.clock.now_ms(), cmd.key_id)
         self.engine.scheduler.wake(queue)  # queued tasks obey it from their next claim
         return {"queue": queue, "policy": self.engine.config.policy_of(effective)}
 
@@ -241,7 +241,7 @@ class AdminLoop:
                 return
             while not stop.is_set():
                 for msg in await self._call(consumer.consume, 100, 0.2):
-                    if msg.error() is None:
+                    if msg.error() is None and self._fresh(msg):
                         await self.handle(msg.value(), list(msg.headers() or []))
                 await asyncio.to_thread(self._producer.poll, 0)
         finally:
@@ -278,33 +278,51 @@ class AdminLoop:
         since = self._now_ms() - self.window_ms
         wanted = [TopicPartition(topic, p, since) for p in metadata.partitions]
         offsets = consumer.offsets_for_times(wanted, timeout=30)
-        # No record since then: start at the partition's end *as of now*, a concrete offset. (OFFSET_END would be
-        # resolved at the first fetch, later: a command produced in between would be skipped.)
-        start = [o.offset if o.offset >= 0 else consumer.get_watermark_offsets(
-            TopicPartition(topic, o.partition), timeout=30)[1] for o in offsets]
+        failed = [o for o in offsets if o.error is not None]
+        if failed:
+            raise KafkaException(failed[0].error)
+        # -1 should mean "no command since then", but a broker can answer -1 for records just written (seen on
+        # a fresh topic): start at most _CATCH_UP records back instead. Records older than the window are then
+        # skipped unanswered by `_fresh` (they would only be refused as stale).
+        start = []
+        for o in offsets:
+            if o.offset >= 0:
+                start.append(o.offset)
+            else:
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, o.partition), timeout=30)
+                start.append(max(low, high - _CATCH_UP))
         consumer.assign([TopicPartition(topic, o.partition, at) for o, at in zip(offsets, start, strict=True)])
         return True
+
+    def _fresh(self, msg: Any) -> bool:
+        """A record written before the staleness window is history read while catching up: not answered."""
+        kind, timestamp = msg.timestamp()
+        return bool(kind == 0 or timestamp >= self._now_ms() - self.window_ms)
 
     async def handle(self, value: bytes | None, headers: list[tuple[str, bytes | None]]) -> None:
         """One admin record → its replies. Never raises: a bad record is refused, the loop goes on."""
         request_id = request_id_of(value)
+        verified = False
         try:
             cmd = verify(value, headers, self.admin.auth, self._now_ms())
-            if not await self.commands.store.admin_seen(cmd.request_id, cmd.command, cmd.issued_by, self._now_ms()):
-                raise Refused("Replayed", f"request_id {cmd.request_id!r} was already received")
-            log.info("admin %s by %s (%s)", cmd.command, cmd.issued_by, cmd.request_id)
+            verified = self.admin.auth != "none"
+            if not await self.commands.store.admin_seen(cmd.request_id, cmd.command, cmd.issued_by, self._now_ms(),
+                                                        cmd.key_id):
+                raise Refused("Replayed", f"request_id {cmd.request_id!r} was already received", verified)
+            log.info("admin %s by %s, key %s (%s)", cmd.command, cmd.issued_by, cmd.key_id, cmd.request_id)
             result = await self.commands.run(cmd, functools.partial(self._send, cmd.request_id, partial=True))
             await self._send(cmd.request_id, result)
             self.handled += 1
         except Refused as e:
             self.refused += 1
+            e.verified = e.verified or verified
             log.warning("admin record refused: %s: %s", e.type, e.message)
             await self._send(request_id, error=e)
         except StoreError as e:
-            await self._send(request_id, error=Refused("StoreUnavailable", str(e)))
+            await self._send(request_id, error=Refused("StoreUnavailable", str(e), verified))
         except Exception as e:  # a bug must not stop the admin loop; the operator is told
             log.exception("admin command failed")
-            await self._send(request_id, error=Refused("Internal", f"{type(e).__name__}: {e}"))
+            await self._send(request_id, error=Refused("Internal", f"{type(e).__name__}: {e}", verified))
         if self.handled % 100 == 0:
             with contextlib.suppress(StoreError):
                 await self.commands.store.admin_prune(self._now_ms() - 2 * self.window_ms)
@@ -312,7 +330,8 @@ class AdminLoop:
     async def _send(self, request_id: str | None, result: dict[str, Any] | None = None,
                     error: Refused | None = None, partial: bool = False) -> None:
         assert self._producer is not None
-        body = reply(request_id, self.instance_id, result, error, partial)
+        body = reply(request_id, self.instance_id, result, error, partial,
+                     verified=error.verified if error is not None else True)
         key = request_id.encode() if request_id else None
         self._producer.produce(self.admin.reply_topic, value=body, key=key)
         await asyncio.to_thread(self._producer.flush, 10.0)

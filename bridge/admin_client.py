@@ -35,8 +35,27 @@ class Replies:
     final: list[dict[str, Any]] = field(default_factory=list)
     partial: list[dict[str, Any]] = field(default_factory=list)
 
+    ignored: list[dict[str, Any]] = field(default_factory=list)  # unverified refusals, later duplicates
+
     def by_instance(self) -> dict[str, dict[str, Any]]:
         return {r.get("instance", "?"): r for r in self.final}
+
+    def add_final(self, body: dict[str, Any], trust_unverified: bool) -> None:
+        """One answer per instance. A refusal the bridge marks unverified (its record was not signed with a
+        configured key, so its request_id may be forged) is not an answer to this request; nor is a second answer
+        from the same instance (a replay of this very command is refused as Replayed after it ran)."""
+        if body.get("verified") is False and not trust_unverified:
+            self.ignored.append(body)
+            return
+        instance = body.get("instance")
+        earlier = next((r for r in self.final if r.get("instance") == instance), None)
+        if earlier is None:
+            self.final.append(body)
+        elif body.get("ok") and not earlier.get("ok"):
+            self.final[self.final.index(earlier)] = body
+            self.ignored.append(earlier)
+        else:
+            self.ignored.append(body)
 
 
 class AdminSession:
@@ -77,12 +96,13 @@ class AdminSession:
                 time.sleep(0.2)
 
     def request(self, command: str, args: dict[str, Any], timeout: float = 5.0, instances: int | None = None,
-                on_partial: Callable[[dict[str, Any]], None] | None = None) -> Replies:
+                on_partial: Callable[[dict[str, Any]], None] | None = None,
+                request_id: str | None = None) -> Replies:
         self._listen()
         if self.key_id is not None and self.admin.auth != "none" and self.key_id not in self.admin.auth.keys:
             raise AdminClientError(f"no key {self.key_id!r} in admin.auth.keys")
         request_id, value, headers = encode_command(command, args, self.issued_by, self.admin.auth,
-                                                    key_id=self.key_id)
+                                                    request_id=request_id, key_id=self.key_id)
         self._producer.produce(self.admin.topic, value=value, key=request_id.encode(), headers=cast(Any, headers))
         if self._producer.flush(15) != 0:
             raise AdminClientError(f"could not send the command to {self.admin.topic!r}")
@@ -99,7 +119,7 @@ class AdminSession:
                         on_partial(body)
                     deadline = max(deadline, time.monotonic() + timeout)  # progress keeps it alive
                 else:
-                    replies.final.append(body)
+                    replies.add_final(body, trust_unverified=self.admin.auth == "none")
         return replies
 
     def close(self) -> None:

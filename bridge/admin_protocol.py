@@ -28,10 +28,13 @@ COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", 
 
 
 class Refused(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, verified: bool = False) -> None:
         super().__init__(message)
         self.type = f"rdq.admin.{kind}"
         self.message = message
+        # True once the command's signature checked out: only then may a refusal be taken as an answer to the
+        # request it names (anyone who can produce to the admin topic can write any request_id).
+        self.verified = verified
 
 
 # ---- command arguments (validated; unknown fields refused) ----------------------------------------------
@@ -123,7 +126,8 @@ class Command:
     command: str
     args: _Args
     issued_at: int
-    issued_by: str | None
+    issued_by: str | None  # self-asserted by whoever wrote the command
+    key_id: str | None = None  # the key whose signature verified (None under `auth: none`)
 
 
 # ---- signing and verifying ------------------------------------------------------------------------------
@@ -133,8 +137,8 @@ def now_rfc3339() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
-def sign(key: str, value: bytes) -> str:
-    return hmac.new(key.encode("utf-8"), value, hashlib.sha256).hexdigest()
+def sign(key: bytes | str, value: bytes) -> str:
+    return hmac.new(key.encode("utf-8") if isinstance(key, str) else key, value, hashlib.sha256).hexdigest()
 
 
 def encode_command(command: str, args: dict[str, Any], issued_by: str, auth: AdminAuth | Literal["none"],
@@ -148,7 +152,10 @@ def encode_command(command: str, args: dict[str, Any], issued_by: str, auth: Adm
     headers: list[tuple[str, bytes]] = []
     if auth != "none":
         key_id = key_id or auth.signing_key or next(iter(auth.keys))
-        headers = [(KEY_ID, key_id.encode()), (SIGNATURE, sign(auth.keys[key_id], value).encode())]
+        key = auth.key(key_id)
+        if key is None:
+            raise KeyError(f"no admin key {key_id!r}")
+        headers = [(KEY_ID, key_id.encode()), (SIGNATURE, sign(key, value).encode())]
     return request_id, value, headers
 
 
@@ -181,11 +188,20 @@ def verify(value: bytes | None, headers: list[tuple[str, bytes | None]], auth: A
         key_id, signature = _header(headers, KEY_ID), _header(headers, SIGNATURE)
         if not key_id or not signature:
             raise Refused("Unsigned", f"missing {KEY_ID} or {SIGNATURE} header")
-        key = auth.keys.get(key_id)
+        key = auth.key(key_id)
         if key is None:
             raise Refused("UnknownKey", f"no key {key_id!r} is configured")
         if not hmac.compare_digest(sign(key, value), signature.lower()):
             raise Refused("BadSignature", f"signature does not match the value for key {key_id!r}")
+    try:
+        return _parse(value, headers, auth, now_ms)
+    except Refused as e:
+        e.verified = auth != "none"  # past the signature: the request_id in the value is the signer's
+        raise
+
+
+def _parse(value: bytes, headers: list[tuple[str, bytes | None]], auth: AdminAuth | Literal["none"],
+           now_ms: int) -> Command:
     try:
         data = json.loads(value)
     except (ValueError, UnicodeDecodeError) as e:
@@ -210,7 +226,8 @@ def verify(value: bytes | None, headers: list[tuple[str, bytes | None]], auth: A
         problems = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'args'}: {x['msg']}" for x in e.errors())
         raise Refused("InvalidArgs", problems) from e
     issued_by = data.get("issued_by")
-    return Command(request_id, name, args, issued_at, issued_by if isinstance(issued_by, str) else None)
+    return Command(request_id, name, args, issued_at, issued_by[:200] if isinstance(issued_by, str) else None,
+                   None if auth == "none" else _header(headers, KEY_ID))
 
 
 def _issued_at(value: Any) -> int:
@@ -225,8 +242,11 @@ def _issued_at(value: Any) -> int:
 
 
 def reply(request_id: str | None, instance: str, result: dict[str, Any] | None = None,
-          error: Refused | None = None, partial: bool = False) -> bytes:
-    body: dict[str, Any] = {"request_id": request_id, "instance": instance, "ok": error is None}
+          error: Refused | None = None, partial: bool = False, verified: bool = True) -> bytes:
+    """`verified`: the command was signed with a configured key. A refusal of an unverified record says so, and a
+    client must not take it for an answer to its own request (its request_id may be forged)."""
+    body: dict[str, Any] = {"request_id": request_id, "instance": instance, "ok": error is None,
+                            "verified": verified}
     if error is not None:
         body["error"] = {"type": error.type, "message": error.message}
     else:

@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SecretStr,
+    SerializationInfo,
+    ValidationError,
+    model_validator,
+)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -43,6 +53,17 @@ MAX_DURATION = 100 * 365 * 86400.0
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0, le=MAX_DURATION, allow_inf_nan=False)]
 PositiveDuration = Annotated[float, BeforeValidator(parse_duration),
                              Field(gt=0, le=MAX_DURATION, allow_inf_nan=False)]
+
+
+def _secret_out(value: SecretStr, info: SerializationInfo) -> str:
+    """Masked (`**********`) wherever a config is dumped — a reply, a log — unless a config file is being written
+    on purpose (`file_tree()`)."""
+    return value.get_secret_value() if (info.context or {}).get("reveal_secrets") else str(value)
+
+
+# Admin keys, worker tokens, HTTP handler headers: never in a reply, a log line or an error message.
+Secret = Annotated[SecretStr, PlainSerializer(_secret_out, return_type=str)]
+MIN_ADMIN_KEY_BYTES = 32
 
 
 class _Model(BaseModel):
@@ -107,7 +128,7 @@ class HttpHandlerConfig(_Model):
     url: str = Field(pattern=r"^https?://")
     method: Literal["POST", "PUT", "PATCH"] = "POST"
     timeout: PositiveDuration = 10.0
-    headers: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, Secret] = Field(default_factory=dict)  # often a bearer token
     max_connections: int = Field(default=32, ge=1)
 
 
@@ -173,9 +194,12 @@ class WorkersConfig(_Model):
     """Remote workers (SPEC §8.2): listen addresses, tcp://host:port or unix:///path, and accepted tokens."""
 
     listen: list[str] = Field(min_length=1)
-    tokens: list[str] = Field(min_length=1)
+    tokens: list[Secret] = Field(min_length=1)
     # How long a claim may wait for a task before answering with none.
     max_wait: PositiveDuration = 30.0
+    # A peer must say hello (and authenticate) within this long; and how many connections are served at once.
+    hello_timeout: PositiveDuration = 10.0
+    max_connections: int = Field(default=256, ge=1, le=100_000)
 
     @model_validator(mode="after")
     def _addresses(self) -> WorkersConfig:
@@ -186,7 +210,7 @@ class WorkersConfig(_Model):
 
 
 class AdminAuth(_Model):
-    keys: dict[str, str] = Field(min_length=1)
+    keys: dict[str, Secret] = Field(min_length=1)
     # The key the CLI signs with; the first key when unset.
     signing_key: str | None = None
     max_skew: PositiveDuration = 300.0
@@ -196,6 +220,19 @@ class AdminAuth(_Model):
         if self.signing_key is not None and self.signing_key not in self.keys:
             raise ValueError(f"signing_key {self.signing_key!r} is not one of keys")
         return self
+
+    @model_validator(mode="after")
+    def _keys_long_enough(self) -> AdminAuth:
+        # SPEC §7.5: a key shorter than 32 bytes is a configuration error. The message names the key, never its value.
+        short = [k for k, v in self.keys.items() if len(v.get_secret_value().encode("utf-8")) < MIN_ADMIN_KEY_BYTES]
+        if short:
+            raise ValueError(f"admin key(s) {', '.join(map(repr, short))} shorter than {MIN_ADMIN_KEY_BYTES} bytes "
+                             "(use e.g. `openssl rand -hex 32`)")
+        return self
+
+    def key(self, key_id: str) -> bytes | None:
+        secret = self.keys.get(key_id)
+        return None if secret is None else secret.get_secret_value().encode("utf-8")
 
 
 class AdminConfig(_Model):
@@ -247,6 +284,10 @@ class BridgeConfig(_Model):
                 owner[topic] = name
         return self
 
+    def file_tree(self) -> dict[str, Any]:
+        """The config as a YAML/JSON tree that loads back as this config, secrets included (to write a file)."""
+        return self.model_dump(mode="json", exclude_none=True, context={"reveal_secrets": True})
+
     def dlq_topic(self, queue: str) -> str:
         return self.queues[queue].dlq_topic or f"{queue}.dlq"
 
@@ -291,11 +332,18 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+# Where a value may be a secret (keys, tokens, headers, librdkafka settings such as sasl.password): an error
+# there names the field, never the value it got.
+_SECRET_PARTS = frozenset({"keys", "tokens", "headers", "client", "consumer", "producer", "auth"})
+
+
 def describe_error(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for item in error.errors():
-        loc = tuple(p for p in item["loc"] if p not in ("function-after", "function-before"))
-        got = f" (got {item['input']!r})" if not isinstance(item.get("input"), dict | list) else ""
+        loc = tuple(p for p in item["loc"] if not str(p).startswith(("function-after", "function-before")))
+        secret = any(part in _SECRET_PARTS for part in loc if isinstance(part, str))
+        shown = not secret and not isinstance(item.get("input"), dict | list)
+        got = f" (got {item['input']!r})" if shown else ""
         lines.append(f"  {_format_loc(loc)}: {item['msg']}{got}")
     return "\n".join(lines)
 

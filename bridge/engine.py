@@ -54,9 +54,10 @@ class Engine:
         self.scheduler.wake(queue)
         self.dead_event.set()
 
-    async def redrive(self, task_id: str, by: str | None = None, request_id: str | None = None) -> bool:
+    async def redrive(self, task_id: str, by: str | None = None, request_id: str | None = None,
+                      key_id: str | None = None) -> bool:
         """DEAD → PENDING, due now (SPEC §7.3). False when the task is missing or not DEAD."""
-        ok = await self.store.redrive(task_id, self.clock.now_ms(), by, request_id)
+        ok = await self.store.redrive(task_id, self.clock.now_ms(), by, request_id, key_id)
         if ok:
             task = await self.store.get(task_id)
             if task is not None:
@@ -68,10 +69,11 @@ class Engine:
         self.telemetry.metrics.redrives.labels(task.queue).inc()
         self.telemetry.redrive_span(task.id, task.queue, task.headers, by)
 
-    async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None) -> list[str]:
+    async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None,
+                           key_id: str | None = None) -> list[str]:
         """Redrive each DEAD task of `ids`; returns those redriven."""
         now = self.clock.now_ms()
-        done = [i for i in ids if await self.store.redrive(i, now, by, request_id)]
+        done = [i for i in ids if await self.store.redrive(i, now, by, request_id, key_id)]
         for task_id in done:
             task = await self.store.get(task_id)
             if task is not None:

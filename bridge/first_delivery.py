@@ -163,7 +163,7 @@ class FirstDelivery:
         metrics.tasks_created.labels(task.queue, task.status.value).inc()
         if task.status == Status.DEAD:
             assert task.dead_reason is not None
-            metrics.dead.labels(task.queue, task.dead_reason.type).inc()
+            metrics.dead_of(task.queue, task.dead_reason.type)
             if self.on_dead:
                 self.on_dead(task.queue)
         elif self.on_pending:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import re
 import time
 from typing import Any
 
@@ -26,6 +27,8 @@ from bridge.handler_api import HandlerContext, Permanent, Retry
 
 OUTCOME_HEADER = "rdq-outcome"
 _BODY_KEEP = 2000
+BODY_READ_MAX = 64 * 1024  # of a response body, at most this much is read (it only goes into an error message)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -63,6 +66,12 @@ def classify_response(status: int, headers: Any, body: str, what: str) -> None:
     raise HttpPermanentError(message)
 
 
+async def read_body(response: aiohttp.ClientResponse, limit: int = BODY_READ_MAX) -> str:
+    """At most `limit` bytes of the body, as text: an app answering with gigabytes cannot fill our memory."""
+    data = await response.content.read(limit)
+    return data.decode(response.get_encoding() if response.charset else "utf-8", errors="replace")
+
+
 class HttpHandler:
     """An async handler for one queue, with its own pooled client session."""
 
@@ -78,21 +87,25 @@ class HttpHandler:
         return self._session
 
     def _headers(self, ctx: HandlerContext) -> dict[str, str]:
+        # A record's content type and tracestate are anyone's bytes: a CR/LF in them made the request raise and
+        # the task retry until DEAD. Control characters are removed (content type) or the header dropped.
+        content_type = _CONTROL.sub("", ctx.content_type).strip() or "application/octet-stream"
         headers = {
-            "content-type": ctx.content_type,
+            "content-type": content_type,
             "rdq.task_id": ctx.task_id,
             "rdq.attempt": str(ctx.attempt),
             "rdq.redrive_count": str(ctx.redrive_count),
             "rdq.source": ctx.source,
-            **self.config.headers,
+            **{name: value.get_secret_value() for name, value in self.config.headers.items()},
         }
         carrier: dict[str, str] = {}
         span = trace.get_current_span()
         if span.get_span_context().is_valid:  # traced: the attempt's span is the app's parent
             _PROPAGATOR.inject(carrier)
         headers["traceparent"] = carrier.get("traceparent") or ctx.headers.get("traceparent", "")
-        if "tracestate" in ctx.headers:
-            headers["tracestate"] = ctx.headers["tracestate"]
+        tracestate = ctx.headers.get("tracestate")
+        if tracestate and not _CONTROL.search(tracestate):
+            headers["tracestate"] = tracestate
         return headers
 
     async def __call__(self, ctx: HandlerContext) -> None:
@@ -101,7 +114,7 @@ class HttpHandler:
         try:
             async with self._client().request(self.config.method, self.config.url, data=ctx.payload,
                                               headers=self._headers(ctx)) as response:
-                body = await response.text(errors="replace")
+                body = await read_body(response)
                 classify_response(response.status, response.headers, body, what)
         except (TimeoutError, aiohttp.ServerTimeoutError) as e:
             raise HttpRetryableError(message=f"no answer from {what} within {self.config.timeout:g}s") from e

@@ -67,8 +67,9 @@ class LiveConfig:
 
     def _merged(self, name: str, base: QueueConfig, policy: dict[str, Any]) -> QueueConfig:
         """The queue with `policy` deep-merged in, checked with every rule of the config (cross-field ones too)."""
-        tree = self._config.model_dump(mode="json", exclude_unset=True)
-        tree["queues"][name] = deep_merge(base.model_dump(mode="json", exclude_unset=True), policy)
+        reveal = {"reveal_secrets": True}  # the tree is parsed again, not shown
+        tree = self._config.model_dump(mode="json", exclude_unset=True, context=reveal)
+        tree["queues"][name] = deep_merge(base.model_dump(mode="json", exclude_unset=True, context=reveal), policy)
         return parse_config(tree, f"policy of queue {name!r}").queues[name]
 
     @staticmethod

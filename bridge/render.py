@@ -76,8 +76,9 @@ def task_view(task: dict[str, Any], instance: str | None = None) -> str:
                                             "WORKER"], rows)
     redrives = task.get("redrives") or []
     if redrives:
-        out += "\n\nredriven: " + "; ".join(f"#{d['redrive_no']} by {d.get('by')} ({d.get('request_id')})"
-                                            for d in redrives)
+        out += "\n\nredriven: " + "; ".join(
+            f"#{d['redrive_no']} by {d.get('by')} (key {d.get('key_id')}, request {d.get('request_id')})"
+            for d in redrives)
     return out
 
 

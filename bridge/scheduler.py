@@ -274,7 +274,7 @@ class Scheduler:
     async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
         result = await self.store.record_dead(task.id, task.lease_token, report, reason)
         if result.accepted:
-            self.telemetry.metrics.dead.labels(task.queue, reason.type).inc()
+            self.telemetry.metrics.dead_of(task.queue, reason.type)
             log.warning("task dead: %s: %s", reason.type, reason.message[:300],
                         extra={"task_id": task.id, "queue": task.queue})
             if self.on_dead is not None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,6 +116,9 @@ class Store:
         path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            # Payloads are the team's data: the file is created 0600, and SQLite gives its -wal and -shm files
+            # the database file's permissions.
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
             db = await aiosqlite.connect(str(path), isolation_level=None, timeout=busy_timeout)
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"{path}: cannot open the store: {e}") from e
@@ -460,15 +464,17 @@ class Store:
 
     # ---- operator actions ------------------------------------------------------------------------------
 
-    async def redrive(self, task_id: str, now: int, by: str | None = None, request_id: str | None = None) -> bool:
-        """DEAD → PENDING due now, attempt_count 0, redrive_count + 1, history kept, audited (SPEC §7.3)."""
+    async def redrive(self, task_id: str, now: int, by: str | None = None, request_id: str | None = None,
+                      key_id: str | None = None) -> bool:
+        """DEAD → PENDING due now, attempt_count 0, redrive_count + 1, history kept, audited (SPEC §7.3): who
+        said they did it (`by`, self-asserted) and which verified key signed the command (`key_id`)."""
 
         def apply(conn: sqlite3.Connection) -> bool:
             got = conn.execute(q("redrive"), {"id": task_id, "now": now}).fetchone()
             if got is None:
                 return False
             conn.execute(q("insert_redrive"), {"task_id": task_id, "redrive_no": got[0], "at": now, "by": by,
-                                               "request_id": request_id})
+                                               "request_id": request_id, "key_id": key_id})
             return True
 
         return await self._submit(apply)
@@ -516,9 +522,12 @@ class Store:
 
     # ---- admin (SPEC §7) -------------------------------------------------------------------------------
 
-    async def admin_seen(self, request_id: str, command: str, issued_by: str | None, now: int) -> bool:
-        """Remember a verified request id. False when it was seen before: a replay."""
-        params = {"request_id": request_id, "command": command, "issued_by": issued_by, "now": now}
+    async def admin_seen(self, request_id: str, command: str, issued_by: str | None, now: int,
+                         key_id: str | None = None) -> bool:
+        """Remember a verified request id (the audit of every command: what, who said, which key). False when it
+        was seen before: a replay."""
+        params = {"request_id": request_id, "command": command, "issued_by": issued_by, "now": now,
+                  "key_id": key_id}
         return await self._submit(lambda c: c.execute(q("admin_request_seen"), params).rowcount == 1)
 
     async def admin_prune(self, before: int) -> None:
@@ -528,12 +537,14 @@ class Store:
         rows = await self._read(lambda c: c.execute(q("queue_settings_all")).fetchall())
         return {r["queue"]: (json.loads(r["policy"]) if r["policy"] else None, bool(r["paused"])) for r in rows}
 
-    async def set_paused(self, queue: str, paused: bool, by: str | None, now: int) -> None:
-        params = {"queue": queue, "paused": int(paused), "by": by, "now": now}
+    async def set_paused(self, queue: str, paused: bool, by: str | None, now: int, key_id: str | None = None) -> None:
+        params = {"queue": queue, "paused": int(paused), "by": by, "now": now, "key_id": key_id}
         await self._submit(lambda c: c.execute(q("queue_set_paused"), params))
 
-    async def set_policy(self, queue: str, policy: dict[str, Any] | None, by: str | None, now: int) -> None:
-        params = {"queue": queue, "policy": json.dumps(policy) if policy else None, "by": by, "now": now}
+    async def set_policy(self, queue: str, policy: dict[str, Any] | None, by: str | None, now: int,
+                         key_id: str | None = None) -> None:
+        params = {"queue": queue, "policy": json.dumps(policy) if policy else None, "by": by, "now": now,
+                  "key_id": key_id}
         await self._submit(lambda c: c.execute(q("queue_set_policy"), params))
 
     async def purge_queue(self, queue: str, status: Status | None = None, before: int | None = None,

@@ -52,7 +52,7 @@ class Sweeper:
                                               f"queue_timeout of {queue.queue_timeout:g}s exceeded")
                 timed_out += n
                 if n:
-                    self.metrics.dead.labels(name, "rdq.Timeout").inc(n)
+                    self.metrics.dead_of(name, "rdq.Timeout", n)
                 if n and self.on_change:
                     self.on_change(name)
             purged += await self.store.purge(name, queue.retain_from, now - int(queue.task_ttl * 1000))
@@ -75,7 +75,7 @@ class Sweeper:
                 reclaimed += 1
                 self.metrics.attempts.labels(row["queue"], "LEASE_EXPIRED").inc()
                 if next_at is None:
-                    self.metrics.dead.labels(row["queue"], "rdq.LeaseExpired").inc()
+                    self.metrics.dead_of(row["queue"], "rdq.LeaseExpired")
                 if self.on_change:
                     self.on_change(row["queue"])
         return reclaimed

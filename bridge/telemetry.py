@@ -26,6 +26,7 @@ from bridge.model import Outcome
 from bridge.records import SourceRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+MAX_ERROR_TYPES = 50  # distinct `error_type` label values per queue; more count as "other"
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _TIME_TO_SUCCESS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
 
@@ -59,6 +60,7 @@ class Metrics:
         self.threads_stuck = Gauge("rdq_handler_threads_stuck", "Sync handler threads still running a call that "
                                    "was abandoned (lease lost, silent, timed out)", ["queue"], registry=r)
         self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
+        self._error_types: dict[str, set[str]] = {}
         # Label children resolved once: the per-record path skips prometheus' label lookup.
         self._attempt_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}
         self._record_children: dict[str, Any] = {}
@@ -70,6 +72,18 @@ class Metrics:
             self._attempt_children[(queue, outcome)] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def dead_of(self, queue: str, error_type: str, n: int = 1) -> None:
+        """Count a dead task. Error types come from handlers and remote workers (any string): at most
+        MAX_ERROR_TYPES distinct ones per queue become label values, the rest count as `other` (a worker sending
+        random types must not grow the metrics without bound)."""
+        seen = self._error_types.setdefault(queue, set())
+        if error_type not in seen:
+            if len(seen) >= MAX_ERROR_TYPES:
+                error_type = "other"
+            else:
+                seen.add(error_type)
+        self.dead.labels(queue, error_type[:200]).inc(n)
 
     def record_seen(self, queue: str) -> None:
         child = self._record_children.get(queue)

@@ -36,7 +36,8 @@ from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
 PROTOCOL = 2  # 2: lease tokens are opaque strings (they were integers)
-_MAX_LINE = 64 * 1024 * 1024
+_MAX_LINE = 64 * 1024 * 1024  # after `hello`: payloads travel base64 in JSON
+_HELLO_LINE = 8 * 1024  # before: an unauthenticated peer gets a few KB, not 64 MiB of our memory
 _MAX_REQUESTS = 64  # requests of one connection in progress at once; past it the bridge stops reading (back-pressure)
 _TOKEN_KEY = "worker-lease-tokens"
 _OUTCOMES = {"success": Outcome.SUCCESS, "retryable": Outcome.RETRYABLE_FAILURE,
@@ -93,7 +94,7 @@ class WorkerServer:
         self.config = config
         self.engine = engine
         self.store = engine.store
-        self.tokens = LeaseTokens(b"")  # the real key is read from the store in run()
+        self.leases = LeaseTokens(b"")  # the real key is read from the store in run()
         self.requests_in_progress = 0  # across connections; each connection has at most _MAX_REQUESTS
         self.connections: set[asyncio.Task[None]] = set()
         self.bound: list[str] = []  # the addresses actually listened on (tcp port 0 → the real port)
@@ -101,7 +102,7 @@ class WorkerServer:
     # ---- serving ---------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.tokens = LeaseTokens(await self.store.secret(_TOKEN_KEY, lambda: os.urandom(32)))
+        self.leases = LeaseTokens(await self.store.secret(_TOKEN_KEY, lambda: os.urandom(32)))
         servers = [await self._listen(address) for address in self.config.listen]
         log.info("remote workers: listening on %s", ", ".join(self.bound))
         try:
@@ -120,12 +121,17 @@ class WorkerServer:
             path = address[len("unix://"):]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            server = await asyncio.start_unix_server(self._serve, path=path, limit=_MAX_LINE)
-            os.chmod(path, 0o660)
+            # Created 0660 from the start (no window with a world-writable socket, as chmod after bind had). The
+            # umask is process-wide: set it only around the bind, on the event loop where nothing else runs.
+            previous = os.umask(0o117)
+            try:
+                server = await asyncio.start_unix_server(self._serve, path=path, limit=_HELLO_LINE)
+            finally:
+                os.umask(previous)
             self.bound.append(address)
             return server
         host, _, port = address[len("tcp://"):].rpartition(":")
-        server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port), limit=_MAX_LINE)
+        server = await asyncio.start_server(self._serve, host or "127.0.0.1", int(port), limit=_HELLO_LINE)
         sockname = server.sockets[0].getsockname()
         self.bound.append(f"tcp://{sockname[0]}:{sockname[1]}")
         return server
@@ -178,14 +184,21 @@ class WorkerServer:
             await writer.drain()
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Connection | None:
-        line = await reader.readline()
         msg: Any = {}
         try:
+            if len(self.connections) > self.config.max_connections:
+                raise ProtocolError("TooManyConnections", f"this bridge serves at most {self.config.max_connections} "
+                                                          "worker connections")
+            try:
+                line = await asyncio.wait_for(reader.readline(), self.config.hello_timeout)
+            except TimeoutError as e:
+                raise ProtocolError("Timeout", f"no hello within {self.config.hello_timeout:g}s") from e
+            except ValueError as e:  # the line is longer than the pre-authentication limit
+                raise ProtocolError("Malformed", f"hello is longer than {_HELLO_LINE} bytes") from e
             msg = json.loads(line) if line else {}
             if not isinstance(msg, dict) or msg.get("op") != "hello":
                 raise ProtocolError("Malformed", "the first message must be {\"op\": \"hello\", …}")
-            token = msg.get("token")
-            if not isinstance(token, str) or not any(hmac.compare_digest(token, t) for t in self.config.tokens):
+            if not self._known_token(msg.get("token")):
                 raise ProtocolError("Unauthorized", "unknown token")
             handlers = msg.get("handlers")
             if not isinstance(handlers, list) or not all(isinstance(h, str) for h in handlers) or not handlers:
@@ -196,7 +209,8 @@ class WorkerServer:
             await self._send(writer, {"id": request_id, "op": "error", "error": {"type": kind, "message": str(e)}})
             log.warning("worker refused: %s: %s", kind, e)
             return None
-        worker = str(msg.get("worker") or "worker")
+        reader._limit = _MAX_LINE  # type: ignore[attr-defined]  # authenticated: full-size lines from now on
+        worker = str(msg.get("worker") or "worker")[:200]
         queues = [n for n in self.engine.config.queue_names()
                   if (q := self.engine.config.queue(n)) is not None and q.remote and q.handler in handlers]
         conn = _Connection(worker, set(handlers), queues)
@@ -204,6 +218,13 @@ class WorkerServer:
                                   "instance": self.engine.instance_id, "queues": queues})
         log.info("worker %s connected for %s (queues %s)", worker, sorted(handlers), queues)
         return conn
+
+    def _known_token(self, token: Any) -> bool:
+        """Compared as bytes in constant time (a str compare raised TypeError on non-ASCII input)."""
+        if not isinstance(token, str):
+            return False
+        given = token.encode("utf-8", "surrogatepass")
+        return any(hmac.compare_digest(given, t.get_secret_value().encode("utf-8")) for t in self.config.tokens)
 
     async def _request(self, conn: _Connection, line: bytes, writer: asyncio.StreamWriter) -> None:
         request_id = None
@@ -275,7 +296,7 @@ class WorkerServer:
 
     def _task_json(self, task: Task) -> dict[str, Any]:
         return {
-            "task_id": task.id, "token": self.tokens.issue(task.id, task.lease_token), "queue": task.queue,
+            "task_id": task.id, "token": self.leases.issue(task.id, task.lease_token), "queue": task.queue,
             "handler_ref": task.handler_ref, "handler_version": task.handler_version, "attempt": task.attempt_count,
             "redrive_count": task.redrive_count, "payload_b64": base64.b64encode(task.payload).decode("ascii"),
             "content_type": task.payload_content_type, "headers": task.headers,
@@ -285,7 +306,7 @@ class WorkerServer:
     async def _heartbeat(self, conn: _Connection, msg: dict[str, Any]) -> dict[str, Any]:
         """Extends only a lease this connection holds, under the token it was given; anything else: ok false."""
         task_id = str(msg["task_id"])
-        token = self.tokens.verify(task_id, msg.get("token"))
+        token = self.leases.verify(task_id, msg.get("token"))
         held = conn.held.get(task_id)
         ok = False
         if held is not None and held.task.lease_token == token:
@@ -300,7 +321,7 @@ class WorkerServer:
 
     async def _result(self, conn: _Connection, msg: dict[str, Any]) -> dict[str, Any]:
         task_id = str(msg["task_id"])
-        token = self.tokens.verify(task_id, msg.get("token"))
+        token = self.leases.verify(task_id, msg.get("token"))
         outcome = _OUTCOMES.get(str(msg.get("outcome")))
         if outcome is None:
             raise ProtocolError("Malformed", "outcome must be success, retryable or permanent")

@@ -119,6 +119,7 @@ def bridge_config(kafka: KafkaEnv, tmp_path: Path, unique: str) -> BridgeConfig:
                                "backoff": {"kind": "fixed", "base": "10ms"}, "dlq_topic": f"orders-{unique}.dlq"},
             "payments.charge": {"handler": "ok", "sources": [f"payments-{unique}"]},
         },
-        "admin": {"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}", "auth": {"keys": {"k1": "s"}}},
+        "admin": {"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}",
+                  "auth": {"keys": {"k1": "a-test-secret-of-32-bytes-or-more"}}},
     }
     return parse_config(tree, "<test>")

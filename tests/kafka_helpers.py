@@ -226,7 +226,7 @@ class BridgeProcess:
 
         self.path = path
         self.name = name
-        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        path.write_text(yaml.safe_dump(config.file_tree()))
         self.env = {**__import__("os").environ, **(env or {})}
         self.proc: Any = None
         self.log = path.with_suffix(".log")

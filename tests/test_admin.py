@@ -27,7 +27,7 @@ from tests.kafka_helpers import aread_dlq, kafka_config, produce, running_bridge
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = {"k1": "first-secret", "k2": "rotated-secret"}
+KEYS = {"k1": "first-secret-of-32-bytes-or-more-1", "k2": "rotated-secret-of-32-bytes-or-more"}
 
 
 def admin_config(env: KafkaEnv, tmp_path: Path, unique: str, queues: dict[str, Any], **extra: Any) -> BridgeConfig:
@@ -102,6 +102,7 @@ async def test_redrive_by_id_with_pause_and_resume(kafka: KafkaEnv, tmp_path: Pa
         assert task["status"] == "PENDING" and task["attempt_count"] == 0 and task["redrive_count"] == 1
         assert [a["outcome"] for a in task["attempts"]] == ["RETRYABLE_FAILURE"] * 2  # history kept
         assert task["redrives"][0]["by"] == "sre@test" and task["redrives"][0]["request_id"]
+        assert task["redrives"][0]["key_id"] == "k2"  # the verified key that signed it, beside who said they did
         await asyncio.sleep(1.0)
         assert (await bridge.store.get(task_id)).status == "PENDING"  # type: ignore[union-attr]  # paused
         assert await one(config, "resume", {"queue": "q"}) == {"queue": "q", "paused": False}
@@ -169,7 +170,7 @@ async def test_redrive_from_a_dlq_record_after_the_store_purged_it(kafka: KafkaE
 
 def write(config: BridgeConfig, tmp_path: Path) -> Path:
     path = tmp_path / "cli.yaml"
-    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+    path.write_text(yaml.safe_dump(config.file_tree()))
     return path
 
 
@@ -329,6 +330,54 @@ async def test_forged_and_broken_commands_are_refused_with_a_reason(kafka: Kafka
     for rs in by_id.values():
         for r in rs:
             assert r["instance"] == "test-bridge" and (r["ok"] or r["error"]["message"])
+    # A refusal names the request it refuses as verified only when the record was signed with a configured key.
+    verified = {rid: [r["verified"] for r in rs] for rid, rs in by_id.items()}
+    assert verified["unsigned"] == verified["bad-sig"] == verified["unknown-key"] == [False]
+    assert verified[None] == [True]  # not JSON, but signed with a configured key
+    assert verified["stale"] == verified["bad-args"] == verified["unknown-command"] == [True]
+    assert verified["replayed"] == [True, True] and verified[ids["ok-before"]] == [True]
+
+
+async def test_forged_refusals_are_not_taken_for_answers_to_a_genuine_request(kafka: KafkaEnv, tmp_path: Path,
+                                                                             unique: str) -> None:
+    """Anyone who can produce to the admin topic could add refusals to a genuine request's answers (keyed by the
+    request_id they saw) and make `rdq` exit non-zero. The CLI now takes only verified answers, one per instance."""
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}},
+                          kafka={"topic_partitions": 1})
+    raw = RawAdmin(config)
+    request_id = f"genuine-{unique}"
+
+    def forge() -> None:
+        time.sleep(0.5)  # after the CLI began listening
+        _, value, _ = encode_command("stats", {}, "mallory", "none", request_id=request_id)
+        raw.send(value)  # unsigned
+        raw.send(value, [("rdq.key_id", b"k1"), ("rdq.signature", sign("guess", value).encode())])
+
+    def run() -> Any:
+        session = AdminSession(config, issued_by="sre@test")
+        try:
+            return session.request("stats", {}, timeout=6.0, request_id=request_id)
+        finally:
+            session.close()
+
+    async with running_bridge(config, registry):
+        forger = asyncio.create_task(asyncio.to_thread(forge))
+        replies = await asyncio.to_thread(run)
+        await forger
+    assert [(r["instance"], r["ok"]) for r in replies.final] == [("test-bridge", True)]
+    assert sorted(r["error"]["type"] for r in replies.ignored) == ["rdq.admin.BadSignature", "rdq.admin.Unsigned"]
+
+
+def test_one_answer_per_instance_a_replayed_refusal_after_the_answer_is_not_an_answer() -> None:
+    from bridge.admin_client import Replies
+
+    replies = Replies("r")
+    ok = {"instance": "a", "ok": True, "verified": True, "result": {}}
+    replayed = {"instance": "a", "ok": False, "verified": True, "error": {"type": "rdq.admin.Replayed"}}
+    for body in (replayed, ok):  # either order: the command ran once on `a`
+        replies.add_final(body, trust_unverified=False)
+    assert replies.final == [ok] and replies.ignored == [replayed]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bridge.config import ConfigError, load_config, parse_duration
 
@@ -23,7 +25,7 @@ queues:
 admin:
   topic: rdq.admin
   reply_topic: rdq.admin.replies
-  auth: {keys: {k1: "a-shared-secret"}}
+  auth: {keys: {k1: "a-shared-secret-of-32-bytes-or-more"}}
 """
 
 
@@ -103,7 +105,7 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 
 
 def test_admin_auth_must_be_explicit(tmp_path: Path) -> None:
-    no_auth = SPEC_MINIMAL.replace('  auth: {keys: {k1: "a-shared-secret"}}\n', "")
+    no_auth = SPEC_MINIMAL.replace('  auth: {keys: {k1: "a-shared-secret-of-32-bytes-or-more"}}\n', "")
     with pytest.raises(ConfigError, match=r"admin\.auth"):
         load_config(write(tmp_path, no_auth), environ={})
     config = load_config(write(tmp_path, no_auth + "  auth: none\n"), environ={})
@@ -116,3 +118,31 @@ def test_retain_alias_and_source_owned_once(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="claimed by queues"):
         again = "    dlq_topic: orders.dlq\n  again:\n    handler: ok\n    sources: [orders]\n"
         load_config(write(tmp_path, SPEC_MINIMAL.replace("    dlq_topic: orders.dlq\n", again)), environ={})
+
+
+@pytest.mark.parametrize("key", ["", "tiny-KEY-42", "31-bytes-xxxxxxxxxxxxxxxxxxxxxx"])
+def test_an_admin_key_shorter_than_32_bytes_is_refused_without_showing_it(tmp_path: Path, key: str) -> None:
+    text = SPEC_MINIMAL.replace("a-shared-secret-of-32-bytes-or-more", key)
+    with pytest.raises(ConfigError, match=r"admin\.auth: .*'k1' shorter than 32 bytes") as raised:
+        load_config(write(tmp_path, text), environ={})
+    assert not key or key not in str(raised.value)
+
+
+def test_secrets_never_appear_in_config_errors_or_dumps(tmp_path: Path) -> None:
+    """Keys, worker tokens and HTTP headers are secret types: masked in any dump (a reply, a log line) and never
+    echoed in an error, while a config file written on purpose (`file_tree`) keeps them."""
+    text = SPEC_MINIMAL + (
+        "workers: {listen: ['tcp://127.0.0.1:0'], tokens: ['worker-token-SECRET-1'], max_wait: 1m}\n")
+    text = text.replace("    dlq_topic: orders.dlq\n", "    dlq_topic: orders.dlq\n    http: {url: 'http://app/x', "
+                        "headers: {authorization: 'Bearer TOKEN-SECRET-2'}}\n")
+    config = load_config(write(tmp_path, text), environ={})
+    shown = json.dumps(config.model_dump(mode="json")) + repr(config) + str(config)
+    for secret in ("a-shared-secret-of-32-bytes-or-more", "worker-token-SECRET-1", "TOKEN-SECRET-2"):
+        assert secret not in shown
+        assert secret in json.dumps(config.file_tree())
+    assert load_config(write(tmp_path, yaml.safe_dump(config.file_tree())), environ={}) == config
+    bad = text.replace("'Bearer TOKEN-SECRET-2'", "['Bearer TOKEN-SECRET-2']").replace(
+        "['worker-token-SECRET-1']", "[{'t': 'worker-token-SECRET-1'}]")
+    with pytest.raises(ConfigError) as raised:
+        load_config(write(tmp_path, bad), environ={})
+    assert "SECRET" not in str(raised.value) and "headers" in str(raised.value) and "tokens" in str(raised.value)

@@ -50,6 +50,8 @@ class App:
             return web.Response(status=200)
         if kind == "explicit-permanent":
             return web.Response(status=500, text="poison", headers={"rdq-outcome": "permanent"})
+        if kind == "huge":
+            return web.Response(status=500, body=b"x" * (8 * 1024 * 1024))
         if kind == "explicit-retryable":
             return web.Response(status=404, text="not yet", headers={"rdq-outcome": "retryable"})
         return web.Response(status=418)
@@ -157,3 +159,35 @@ async def test_retry_after_sets_when_the_task_runs_again(app: App, tmp_path: Pat
     finally:
         await http.close()
         await store.close()
+
+
+async def test_a_record_s_content_type_or_tracestate_with_cr_lf_cannot_break_the_request(app: App) -> None:
+    """A CR/LF in either made aiohttp raise on every attempt: the task retried until DEAD for a header."""
+    h = handler(app.port, "ok")
+    evil = HandlerContext("01TASK", "payments", 1, 0, b"{}", "text/plain\r\nX-Injected: 1",
+                          {"rdq.source": "kafka://payments/2/77", "traceparent": TRACEPARENT,
+                           "tracestate": "a=b\r\nX-Injected: 2"})
+    await h(evil)
+    await h.close()
+    headers = app.seen[-1]["headers"]
+    assert headers["Content-Type"] == "text/plainX-Injected: 1" and "X-Injected" not in headers
+    assert "tracestate" not in headers
+
+
+async def test_only_a_bounded_part_of_a_response_body_is_read(app: App, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bridge.http_handler
+
+    read: list[int] = []
+    original = bridge.http_handler.read_body
+
+    async def counting(response: Any, limit: int = bridge.http_handler.BODY_READ_MAX) -> str:
+        text = await original(response, limit)
+        read.append(len(text))
+        return text
+
+    monkeypatch.setattr(bridge.http_handler, "read_body", counting)
+    h = handler(app.port, "huge")
+    with pytest.raises(HttpRetryableError) as raised:
+        await h(ctx())
+    await h.close()
+    assert read == [bridge.http_handler.BODY_READ_MAX] and len(str(raised.value)) < 3000

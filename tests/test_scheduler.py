@@ -38,7 +38,7 @@ class Harness:
     async def start(self, **queues: dict[str, Any]) -> Engine:
         config = engine_config(str(self.tmp_path / "rdq.db"), **queues)
         path = self.tmp_path / "bridge.yaml"
-        path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
+        path.write_text(yaml.safe_dump(config.file_tree()))
         self.store = await Store.open(config.store.path)
         self.engine = Engine(self.store, LiveConfig(config, path), self.registry, instance_id="test-1")
         original = self.engine.scheduler.on_dead

@@ -155,8 +155,8 @@ UPDATE tasks
 RETURNING redrive_count;
 
 -- name: insert_redrive
-INSERT INTO redrives (task_id, redrive_no, at, by, request_id)
-VALUES (:task_id, :redrive_no, :at, :by, :request_id);
+INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
+VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
 
 -- name: dlq_outbox
 -- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
@@ -236,8 +236,8 @@ DELETE FROM inflight WHERE run_id = :run_id;
 SELECT topic, partition, lo, hi FROM inflight WHERE run_id != :run_id;
 
 -- name: admin_request_seen
-INSERT INTO admin_requests (request_id, seen_at, command, issued_by)
-VALUES (:request_id, :now, :command, :issued_by)
+INSERT INTO admin_requests (request_id, seen_at, command, issued_by, key_id)
+VALUES (:request_id, :now, :command, :issued_by, :key_id)
 ON CONFLICT (request_id) DO NOTHING;
 
 -- name: admin_requests_prune
@@ -247,14 +247,16 @@ DELETE FROM admin_requests WHERE seen_at < :before;
 SELECT queue, policy, paused, updated_at, updated_by FROM queue_settings;
 
 -- name: queue_set_paused
-INSERT INTO queue_settings (queue, paused, updated_at, updated_by) VALUES (:queue, :paused, :now, :by)
+INSERT INTO queue_settings (queue, paused, updated_at, updated_by, updated_key_id)
+VALUES (:queue, :paused, :now, :by, :key_id)
 ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused, updated_at = excluded.updated_at,
-                                  updated_by = excluded.updated_by;
+                                  updated_by = excluded.updated_by, updated_key_id = excluded.updated_key_id;
 
 -- name: queue_set_policy
-INSERT INTO queue_settings (queue, policy, updated_at, updated_by) VALUES (:queue, :policy, :now, :by)
+INSERT INTO queue_settings (queue, policy, updated_at, updated_by, updated_key_id)
+VALUES (:queue, :policy, :now, :by, :key_id)
 ON CONFLICT (queue) DO UPDATE SET policy = excluded.policy, updated_at = excluded.updated_at,
-                                  updated_by = excluded.updated_by;
+                                  updated_by = excluded.updated_by, updated_key_id = excluded.updated_key_id;
 
 -- name: purge_terminal
 -- Operator purge of finished tasks of a queue (a DEAD task whose DLQ record is not yet acknowledged stays).

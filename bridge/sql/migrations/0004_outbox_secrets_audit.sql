@@ -14,3 +14,8 @@ CREATE TABLE secrets (
     name   TEXT PRIMARY KEY,
     value  BLOB NOT NULL
 ) WITHOUT ROWID;
+
+-- The audit records which verified key signed each admin command, beside the self-asserted `issued_by`.
+ALTER TABLE admin_requests ADD COLUMN key_id TEXT;
+ALTER TABLE redrives ADD COLUMN key_id TEXT;
+ALTER TABLE queue_settings ADD COLUMN updated_key_id TEXT;
