@@ -291,3 +291,75 @@ async def test_the_client_forgets_a_call_it_gave_up_on(bench: Bench) -> None:
         await asyncio.to_thread(a.call, "claim", timeout=0.2, max=1, wait=2)
     assert a._pending == {}
     a.close()
+
+
+def raw_socket(address: str) -> Any:
+    import socket
+
+    sock = socket.create_connection(tuple(address[len("tcp://"):].rsplit(":", 1)), timeout=10)  # type: ignore[arg-type]
+    return sock
+
+
+def read_line(sock: Any) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data) if data else {}
+
+
+async def test_before_hello_a_peer_gets_a_few_kb_a_deadline_and_no_type_error(bench: Bench) -> None:
+    """Before authentication a peer could send a 64 MiB line, wait forever, and a non-ASCII token raised
+    TypeError out of the handler."""
+    def oversized() -> dict[str, Any]:
+        sock = raw_socket(bench.tcp)
+        sock.sendall(b'{"op": "hello", "token": "' + b"x" * 100_000 + b'"}\n')
+        answer = read_line(sock)
+        sock.close()
+        return answer
+
+    assert (await asyncio.to_thread(oversized))["error"]["type"] == "rdq.worker.Malformed"
+
+    def non_ascii() -> dict[str, Any]:
+        sock = raw_socket(bench.tcp)
+        sock.sendall(json.dumps({"op": "hello", "token": "wörker-tøken", "handlers": ["x"]}).encode() + b"\n")
+        answer = read_line(sock)
+        sock.close()
+        return answer
+
+    assert (await asyncio.to_thread(non_ascii))["error"]["type"] == "rdq.worker.Unauthorized"
+    bench.server.config = bench.server.config.model_copy(update={"hello_timeout": 0.5})
+
+    def silent() -> tuple[dict[str, Any], float]:
+        sock = raw_socket(bench.tcp)
+        began = time.monotonic()
+        answer = read_line(sock)  # says nothing: the bridge gives up on it
+        sock.close()
+        return answer, time.monotonic() - began
+
+    answer, waited = await asyncio.to_thread(silent)
+    assert answer["error"]["type"] == "rdq.worker.Timeout" and waited < 5
+
+
+async def test_worker_connections_are_capped(bench: Bench) -> None:
+    bench.server.config = bench.server.config.model_copy(update={"max_connections": 2})
+    first = await asyncio.to_thread(hello, bench.tcp, "A")
+    second = await asyncio.to_thread(hello, bench.tcp, "B")
+    third = Connection(bench.tcp)
+    with pytest.raises(WorkerError, match="TooManyConnections"):
+        await asyncio.to_thread(third.call, "hello", token=TOKEN, worker="C", handlers=["remote-example"])
+    first.close()
+    await asyncio.sleep(0.3)
+    fourth = await asyncio.to_thread(hello, bench.tcp, "D")  # a slot freed
+    for conn in (second, third, fourth):
+        conn.close()
+
+
+async def test_the_unix_socket_is_never_world_accessible(bench: Bench) -> None:
+    import os
+    import stat
+
+    path = bench.unix[len("unix://"):]
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o007 == 0

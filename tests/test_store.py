@@ -437,3 +437,20 @@ async def test_scans_do_not_hold_back_group_commits(store: Store) -> None:
     release.set()
     await holding
     assert (await counting)["q"]["PENDING"] == 1
+
+
+async def test_the_store_and_its_wal_and_shm_are_private_to_the_user(tmp_path: Path) -> None:
+    """Payloads are the team's data: created under the default umask they were world-readable."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        store = await Store.open(tmp_path / "private" / "rdq.db")
+        await store.submit(failure())
+        files = [store.path, Path(f"{store.path}-wal"), Path(f"{store.path}-shm")]
+        modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in files}
+        await store.close()
+    finally:
+        os.umask(old)
+    assert all(mode & 0o077 == 0 for mode in modes.values()), modes
