@@ -173,7 +173,7 @@ def request_id_of(value: bytes | None) -> str | None:
     """The request id of a record, if one can be read at all (for replying to what is refused)."""
     try:
         data = json.loads(value or b"")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None
     rid = data.get("request_id") if isinstance(data, dict) else None
     return rid if isinstance(rid, str) and 0 < len(rid) <= 200 else None
@@ -206,6 +206,8 @@ def _parse(value: bytes, headers: list[tuple[str, bytes | None]], auth: AdminAut
         data = json.loads(value)
     except (ValueError, UnicodeDecodeError) as e:
         raise Refused("Malformed", f"value is not UTF-8 JSON: {e}") from e
+    except RecursionError as e:
+        raise Refused("Malformed", "value is nested too deeply") from e
     if not isinstance(data, dict):
         raise Refused("Malformed", "value must be a JSON object")
     request_id, name = data.get("request_id"), data.get("command")

@@ -203,7 +203,7 @@ class WorkerServer:
             handlers = msg.get("handlers")
             if not isinstance(handlers, list) or not all(isinstance(h, str) for h in handlers) or not handlers:
                 raise ProtocolError("Malformed", "handlers must be a non-empty list of handler refs")
-        except (ProtocolError, ValueError) as e:
+        except (ProtocolError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             kind = e.type if isinstance(e, ProtocolError) else "rdq.worker.Malformed"
             request_id = msg.get("id") if isinstance(msg, dict) else None
             await self._send(writer, {"id": request_id, "op": "error", "error": {"type": kind, "message": str(e)}})
@@ -244,7 +244,7 @@ class WorkerServer:
                 raise ProtocolError("UnknownOp", f"unknown op {op!r}")
         except ProtocolError as e:
             body = {"op": "error", "error": {"type": e.type, "message": str(e)}}
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             body = {"op": "error", "error": {"type": "rdq.worker.Malformed", "message": f"{type(e).__name__}: {e}"}}
         except StoreError as e:
             body = {"op": "error", "error": {"type": "rdq.worker.StoreUnavailable", "message": str(e)}}

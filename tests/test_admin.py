@@ -398,6 +398,82 @@ def test_garbage_never_stops_the_admin_loop(garbage: list[tuple[bytes, list[tupl
     assert all(not json.loads(v)["ok"] for v in sent[-(len(garbage) + 1):-1])
 
 
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20)
+ARG_NAMES = ["task_id", "queue", "dlq", "error_type", "dead_since", "dead_until", "limit", "dry_run", "instance",
+             "status", "before", "policy", "topic", "partition", "offset"]
+SIGNED_ARGS = st.dictionaries(st.sampled_from(ARG_NAMES) | st.text(max_size=8), JSON, max_size=5) | JSON
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(command=st.sampled_from(["redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats"])
+       | st.text(max_size=20), args=SIGNED_ARGS, extra=st.dictionaries(st.text(max_size=8), JSON, max_size=2),
+       drop=st.sampled_from([None, "request_id", "command", "issued_at", "args"]), deep=st.booleans())
+def test_correctly_signed_garbage_is_refused_clearly_and_the_loop_serves_on(
+        command: str, args: Any, extra: dict[str, Any], drop: str | None, deep: bool, garbage_admin: Any) -> None:
+    """Signed with a configured key, so past the signature: command validation itself is fuzzed (wrong types,
+    missing and extra fields, huge limits, unknown commands, deep nesting). Each record gets a final answer — ok,
+    or a verified refusal with a reason, never `Internal` — and a valid command after it still runs."""
+    loop, admin, sent = garbage_admin
+    body: dict[str, Any] = {"request_id": uuid.uuid4().hex, "command": command, "args": args,
+                            "issued_at": __import__("bridge.admin_protocol").admin_protocol.now_rfc3339(),
+                            "issued_by": "fuzz", **{k: v for k, v in extra.items() if k not in ("request_id",)}}
+    if drop is not None:
+        body.pop(drop, None)
+    value = json.dumps(body).encode()
+    if deep:
+        value = value[:-1] + b', "deep": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    key = KEYS["k1"].encode()
+    headers = [("rdq.key_id", b"k1"), ("rdq.signature", sign(key, value).encode())]
+    before = len(sent)
+    loop.run_until_complete(admin.handle(value, headers))
+    finals = [json.loads(v) for v in sent[before:] if not json.loads(v).get("partial")]
+    assert len(finals) == 1
+    answer = finals[0]
+    assert answer["verified"] is True
+    if not answer["ok"]:
+        assert answer["error"]["type"] != "rdq.admin.Internal", answer
+        assert answer["error"]["message"]
+    _, value, headers = encode_command("stats", {}, "x", admin.admin.auth)
+    loop.run_until_complete(admin.handle(value, headers))
+    assert json.loads(sent[-1])["ok"]
+
+
+def test_replay_protection_holds_across_a_restart(tmp_path: Path) -> None:
+    """The same signed bytes after the bridge restarted on the same store: refused as Replayed, not run again."""
+    from bridge.admin import AdminCommands, AdminLoop
+    from bridge.engine import Engine
+    from bridge.live_config import LiveConfig
+    from bridge.store import Store
+    from tests.helpers import engine_config
+
+    config = engine_config(str(tmp_path / "rdq.db")).model_copy(update={"admin": admin_config_model()})
+    _, value, headers = encode_command("pause", {"queue": "q"}, "sre", config.admin.auth)  # type: ignore[union-attr]
+    answers = []
+    for _ in range(2):  # two lives of the bridge
+        loop = asyncio.new_event_loop()
+        store = loop.run_until_complete(Store.open(config.store.path))
+        engine = Engine(store, LiveConfig(config), Registry(), instance_id="r")
+        admin = AdminLoop(config.admin, AdminCommands(engine, lambda t, p, o: None), "r",  # type: ignore[arg-type]
+                          lambda: None, lambda: None, engine.clock.now_ms)  # type: ignore[arg-type,return-value]
+        sent: list[Any] = []
+
+        async def capture(request_id: Any, result: Any = None, error: Any = None, partial: bool = False,
+                          out: list[Any] = sent) -> None:
+            out.append((result, error.type if error else None))
+
+        admin._send = capture  # type: ignore[method-assign]
+        loop.run_until_complete(admin.handle(value, headers))
+        answers.append(sent[-1])
+        engine.close()
+        loop.run_until_complete(store.close())
+        loop.close()
+    assert answers[0] == ({"queue": "q", "paused": True}, None)
+    assert answers[1] == (None, "rdq.admin.Replayed")
+
+
 @pytest.fixture(scope="module")
 def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An AdminLoop with a real store; replies captured instead of produced (the loop's logic, not Kafka)."""
@@ -419,7 +495,7 @@ def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     async def capture(request_id: Any, result: Any = None, error: Any = None, partial: bool = False) -> None:
         from bridge.admin_protocol import reply
-        sent.append(reply(request_id, "g", result, error, partial))
+        sent.append(reply(request_id, "g", result, error, partial, error.verified if error else True))
 
     admin._send = capture  # type: ignore[method-assign]
     yield loop, admin, sent

@@ -363,3 +363,61 @@ async def test_the_unix_socket_is_never_world_accessible(bench: Bench) -> None:
 
     path = bench.unix[len("unix://"):]
     assert stat.S_IMODE(os.stat(path).st_mode) & 0o007 == 0
+
+
+def random_json(rng: Any, depth: int = 0) -> Any:
+    kind = rng.randrange(9 if depth < 3 else 6)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.choice([True, False])
+    if kind == 2:
+        return rng.choice([0, -1, 1, 2**63, -(2**70), 10**30])
+    if kind == 3:
+        return rng.choice([0.5, -1e308, 1e308, float("inf"), float("nan")])
+    if kind in (4, 5):
+        return rng.choice(["", "x", "claim", "01TASK", "1.abc", "é\u2028", "a" * 300])
+    if kind in (6, 7):
+        return {rng.choice(["task_id", "token", "outcome", "max", "wait", "error", "retry_after", "attempt", "z"]):
+                random_json(rng, depth + 1) for _ in range(rng.randrange(5))}
+    return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+
+
+async def test_random_protocol_messages_after_hello_get_clear_errors_and_the_connection_serves_on(
+        bench: Bench) -> None:
+    """400 random lines on an authenticated connection: each is answered exactly once — a result, or an
+    `op: error` naming the problem — and the connection still serves a real claim afterwards."""
+    import random
+
+    rng = random.Random(20261130)
+    lines: list[bytes] = []
+    for n in range(400):
+        msg = random_json(rng)
+        if isinstance(msg, dict) or rng.random() < 0.7:
+            msg = {**(msg if isinstance(msg, dict) else {}), "id": f"f{n}",
+                   "op": rng.choice(["claim", "heartbeat", "result", "hello", "nope", None, 7])}
+            if msg["op"] == "claim":
+                msg["wait"] = 0
+            lines.append(json.dumps(msg).encode())
+        else:
+            lines.append(rng.choice([b"not json", b"[" * 5000 + b"]" * 5000, b'{"id": 1', b"\xff\xfe"]))
+
+    def run() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        sock = raw_socket(bench.tcp)
+        reader = sock.makefile("rb")
+        sock.sendall(json.dumps({"id": 0, "op": "hello", "token": TOKEN, "handlers": ["remote-example"]}).encode()
+                     + b"\n")
+        assert json.loads(reader.readline())["op"] == "welcome"
+        sock.sendall(b"".join(line + b"\n" for line in lines))
+        answers = [json.loads(reader.readline()) for _ in lines]
+        sock.sendall(b'{"id": "last", "op": "claim", "max": 1, "wait": 0}\n')
+        last = json.loads(reader.readline())
+        sock.close()
+        return answers, last
+
+    answers, last = await asyncio.to_thread(run)
+    assert len(answers) == len(lines)
+    errors = [a for a in answers if a.get("op") == "error"]
+    assert errors and all(a["error"]["type"].startswith("rdq.worker.") and a["error"]["message"] for a in errors)
+    assert not any("Internal" in a["error"]["type"] for a in errors)
+    assert last["id"] == "last" and last["op"] == "tasks"
