@@ -66,7 +66,8 @@ async def main(path: str, seed: int) -> None:
     store = await Store.open(path)
     clock = SystemClock()
     rng = random.Random(seed)
-    ack("READY")
+    synchronous = await store._in_thread(lambda: store._conn.execute("PRAGMA synchronous").fetchone()[0])
+    ack(f"READY synchronous={synchronous}")  # 2 = FULL, the production default
     await asyncio.gather(*(submitter(store, clock, random.Random(rng.random())) for _ in range(8)),
                          *(worker(store, clock, random.Random(rng.random()), f"w{i}") for i in range(3)),
                          reclaimer(store, clock))
