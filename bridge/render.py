@@ -40,11 +40,13 @@ def _stats(replies: list[dict[str, Any]]) -> str:
     for r in replies:
         result = r["result"]
         queues = set(result.get("queues", {})) | set(result.get("configured", []))
+        stuck_dlq, stuck_threads = result.get("dlq_stuck", {}), result.get("threads_stuck", {})
         for queue in sorted(queues):
             counts = result["queues"].get(queue, {})
             rows.append([r["instance"], queue, *(counts.get(s, 0) for s in STATUSES),
-                         "yes" if queue in result.get("paused", []) else ""])
-    return table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED"], rows)
+                         "yes" if queue in result.get("paused", []) else "",
+                         stuck_dlq.get(queue, {}).get("entries", "") or "", stuck_threads.get(queue, "") or ""])
+    return table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED", "DLQ-STUCK", "THREADS-STUCK"], rows)
 
 
 def _list(replies: list[dict[str, Any]]) -> str:

@@ -245,7 +245,7 @@ async def test_redrive_moves_dead_to_pending_keeping_history(store: Store) -> No
     assert task.redrive_count == 1 and task.next_attempt_at == T0 + 1000 and task.life_started_at == T0 + 1000
     assert task.dead_reason is None and task.dlq_state is None and len(task.attempts) == 1
     assert await store.redrives(task_id) == [{"task_id": task_id, "redrive_no": 1, "at": T0 + 1000,
-                                              "by": "sre@example", "request_id": "r1"}]
+                                              "by": "sre@example", "request_id": "r1", "key_id": None}]
     assert not await store.redrive(task_id, T0, "x", "r2")  # only DEAD can be redriven
     [claimed] = await store.claim_due("q", 1, LEASE, "w1", T0 + 1000)
     assert claimed.attempt_count == 1 and claimed.redrive_count == 1
