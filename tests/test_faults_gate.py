@@ -29,3 +29,7 @@ def test_the_bad_config_row_fails_when_a_config_is_not_refused(tmp_path: object)
     finally:
         faults.subprocess.run = original
     assert row.failures() == ["refused = 0, expected 4"] and row.note == "0/4 refused clearly"
+
+
+def test_a_row_may_declare_duplicates_it_reports_but_does_not_gate() -> None:
+    assert Row("sigkill", 10, 8, 2, 0, 1, duplicate_dlq=1, expect={"duplicate_dlq": (0, 10)}).failures() == []
