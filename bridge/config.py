@@ -379,6 +379,14 @@ def apply_env_overrides(tree: dict[str, Any], environ: Mapping[str, str]) -> dic
     return tree
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What and where, without PyYAML's snippet of the offending line: that line may hold a key or a token."""
+    if isinstance(error, yaml.MarkedYAMLError) and error.problem_mark is not None:
+        mark = error.problem_mark
+        return f"{error.problem or error.context or 'syntax error'} at line {mark.line + 1}, column {mark.column + 1}"
+    return type(error).__name__
+
+
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> BridgeConfig:
     """Read, override and validate; raise ConfigError naming the file and field on any problem."""
     path = Path(path)
@@ -389,7 +397,7 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> B
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, not {type(tree).__name__}")
     tree = apply_env_overrides(tree, os.environ if environ is None else environ)

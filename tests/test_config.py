@@ -146,3 +146,11 @@ def test_secrets_never_appear_in_config_errors_or_dumps(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as raised:
         load_config(write(tmp_path, bad), environ={})
     assert "SECRET" not in str(raised.value) and "headers" in str(raised.value) and "tokens" in str(raised.value)
+
+
+def test_a_yaml_error_does_not_quote_the_line_that_may_hold_a_secret(tmp_path: Path) -> None:
+    text = ('kafka: {bootstrap_servers: x}\nadmin:\n'
+            '  auth: {keys: {k1: "SECRET-VALUE-of-32-bytes-or-more-123"}\n  x: [\n')
+    with pytest.raises(ConfigError, match=r"not valid YAML: .* at line \d+, column \d+") as raised:
+        load_config(write(tmp_path, text), environ={})
+    assert "SECRET" not in str(raised.value)
