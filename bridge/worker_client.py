@@ -51,6 +51,8 @@ class Connection:
         self._file = self._sock.makefile("rwb")
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[dict[str, Any]]] = {}
+        self._refused: dict[str, Any] | None = None  # an error about the whole connection (no request id)
+        self._closed = False
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="rdq-worker-reader", daemon=True)
         self._reader.start()
@@ -59,6 +61,12 @@ class Connection:
         try:
             for line in self._file:
                 msg = json.loads(line)
+                if msg.get("id") is None and msg.get("op") == "error":  # about the connection: every caller hears it
+                    self._refused = msg
+                    for waiting in list(self._pending.values()):
+                        if not waiting.done():
+                            waiting.set_result(msg)
+                    continue
                 future = self._pending.pop(msg.get("id"), None)
                 if future is not None:
                     future.set_result(msg)
@@ -66,13 +74,23 @@ class Connection:
             pass
         for future in list(self._pending.values()):
             if not future.done():
-                future.set_exception(WorkerError("connection closed"))
+                if self._refused is not None:
+                    future.set_result(self._refused)
+                else:
+                    future.set_exception(WorkerError("connection closed"))
+        self._closed = True
         self._pending.clear()
 
     def call(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         request_id = next(self._ids)
         future: Future[dict[str, Any]] = Future()
         self._pending[request_id] = future
+        if self._refused is not None or self._closed:  # it came before this call: answer with it
+            self._pending.pop(request_id, None)
+            if self._refused is None:
+                raise WorkerError("connection closed")
+            error = self._refused["error"]
+            raise WorkerError(f"{error['type']}: {error['message']}")
         with self._lock:
             self._file.write(json.dumps({"id": request_id, "op": op, **fields}).encode() + b"\n")
             self._file.flush()

@@ -186,6 +186,9 @@ class WorkerServer:
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Connection | None:
         msg: Any = {}
         try:
+            if len(self.connections) > self.config.max_connections:  # before reading: an idle flood is refused too
+                raise ProtocolError("TooManyConnections", f"this bridge serves at most {self.config.max_connections} "
+                                                          "worker connections")
             try:
                 line = await asyncio.wait_for(reader.readline(), self.config.hello_timeout)
             except TimeoutError as e:
@@ -193,9 +196,6 @@ class WorkerServer:
             except ValueError as e:  # the line is longer than the pre-authentication limit
                 raise ProtocolError("Malformed", f"hello is longer than {_HELLO_LINE} bytes") from e
             msg = json.loads(line) if line else {}
-            if len(self.connections) > self.config.max_connections:  # read first: the refusal answers its id
-                raise ProtocolError("TooManyConnections", f"this bridge serves at most {self.config.max_connections} "
-                                                          "worker connections")
             if not isinstance(msg, dict) or msg.get("op") != "hello":
                 raise ProtocolError("Malformed", "the first message must be {\"op\": \"hello\", …}")
             if not self._known_token(msg.get("token")):
