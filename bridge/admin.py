@@ -254,6 +254,7 @@ class AdminLoop:
         """Assign the admin topic; while it is missing or the broker is away, say so and try again (a missing
         admin topic must not stop the bridge). False when stopped first."""
         warned = False
+        pause = 0.25  # a leader not elected yet on a fresh topic passes in moments; a missing topic may not
         while not stop.is_set():
             try:
                 if await self._call(self._assign_all, consumer):
@@ -265,7 +266,8 @@ class AdminLoop:
                 log.error("%s; admin commands are not read until it can be (retrying)", problem)
                 warned = True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0)
+                await asyncio.wait_for(stop.wait(), pause)
+            pause = min(pause * 2, 5.0)
         return False
 
     def _assign_all(self, consumer: Consumer) -> bool:
