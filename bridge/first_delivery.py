@@ -70,8 +70,7 @@ class FirstDelivery:
         with telemetry.consume_span(record, queue_name, headers):
             started = self.clock.now_ms()
             with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
-                pool = self.threads.pool(queue_name) if self.threads is not None and not handler.is_async else None
-                running = start_handler(handler, ctx, pool)
+                running = start_handler(handler, ctx, self.threads)
                 ended = await self._within_lease(running, ctx, queue.lease, queue.queue_timeout)
                 if ended == "done":
                     result = outcome_of(running.future, queue.errors)

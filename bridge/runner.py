@@ -16,7 +16,7 @@ from bridge.handler_api import HandlerContext, LeaseLost, Retry
 from bridge.model import ErrorInfo, Outcome
 from bridge.policy import classify
 from bridge.registry import Handler
-from bridge.threads import QueuePool
+from bridge.threads import HandlerThreads, QueuePool
 
 _STACK_LIMIT = 16_000
 
@@ -63,14 +63,15 @@ class Started:
             self.call.add_done_callback(finished)
 
 
-def start_handler(handler: Handler, ctx: HandlerContext, pool: QueuePool | None) -> Started:
-    """Start the handler: async ones as a task on the loop, sync ones in the queue's threads."""
+def start_handler(handler: Handler, ctx: HandlerContext, threads: HandlerThreads | None) -> Started:
+    """Start the handler: async ones as a task on the loop, sync ones on the threads of its queue (`ctx.queue`)."""
     if handler.is_async:
         return Started(asyncio.ensure_future(handler.fn(ctx)))  # type: ignore[arg-type]
     # Threads do not inherit context variables: copy them, so the attempt's span is current in the thread.
     call: Callable[[], Any] = functools.partial(contextvars.copy_context().run, handler.fn, ctx)
-    if pool is None:
+    if threads is None:
         return Started(asyncio.get_running_loop().run_in_executor(None, call))
+    pool = threads.pool(ctx.queue)
     running = pool.submit(call)
     return Started(asyncio.wrap_future(running), running, pool)
 

@@ -177,8 +177,7 @@ class Scheduler:
                              task.payload_content_type, task.headers)
         execution.ctx = ctx
         with self.telemetry.attempt_span(task, task.queue, task.attempt_count, task.headers) as span:
-            pool = self.threads.pool(task.queue) if self.threads is not None and not handler.is_async else None
-            execution.running = start_handler(handler, ctx, pool)
+            execution.running = start_handler(handler, ctx, self.threads)
             keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running, started))
             try:
                 await asyncio.wait([execution.running.future])

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -156,8 +157,7 @@ class WorkerServer:
                 request = asyncio.create_task(self._request(conn, line, writer))
                 requests.add(request)
                 request.add_done_callback(requests.discard)
-                request.add_done_callback(self._request_done)
-                request.add_done_callback(lambda _: slots.release())
+                request.add_done_callback(functools.partial(self._request_done, slots))
                 self.requests_in_progress += 1
         except (ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
             log.info("worker connection ended: %s", e)
@@ -170,7 +170,8 @@ class WorkerServer:
             writer.close()
             self.connections.discard(task)
 
-    def _request_done(self, request: asyncio.Task[None]) -> None:
+    def _request_done(self, slots: asyncio.Semaphore, request: asyncio.Task[None]) -> None:
+        slots.release()
         self.requests_in_progress -= 1
 
     async def _send(self, writer: asyncio.StreamWriter, body: dict[str, Any], lock: asyncio.Lock | None = None) -> None:
