@@ -37,7 +37,7 @@ from bridge.kafka_clients import ensure_topics, make_admin, make_dlq_producer
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
 from bridge.queries import q
 from bridge.registry import REGISTRY, Registry
-from bridge.service import Bridge
+from bridge.service import Bridge, open_bridge
 from bridge.store import Store
 from bridge.telemetry import Telemetry
 from localkafka import LocalBroker
@@ -95,8 +95,8 @@ def traced() -> Telemetry:
 
 async def run_bridge_until(config: BridgeConfig, done: Any, registry: Registry | None = None,
                            telemetry: Telemetry | None = None, within: float = 600) -> tuple[float, Bridge]:
-    store = await Store.open(config.store.path)
-    bridge = Bridge(config, store, registry or REGISTRY, instance_id="bench", telemetry=telemetry)
+    bridge = await open_bridge(config, registry or REGISTRY, instance_id="bench", telemetry=telemetry)
+    store = bridge.store
     stop = asyncio.Event()
     began = time.perf_counter()
     runner = asyncio.create_task(bridge.run(stop))

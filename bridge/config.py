@@ -96,6 +96,13 @@ class StoreConfig(_Model):
     group_commit_max: int = Field(default=2000, ge=1)
     # Cap on the store file; past it the store is full: consumption pauses until tasks are purged. None: no cap.
     max_size_mb: float | None = Field(default=None, gt=0)
+    # Tasks outlive the bridge (SPEC §10): every transition goes to a compacted changelog topic co-partitioned
+    # with its source; an instance assigned a partition restores its tasks. False: tasks live in this file only
+    # (a single bridge on a durable volume), and a lost disk or a scale-down strands them.
+    changelog: bool = True
+    # How often the changelog's Kafka transaction commits (with the source offsets): the added latency of a
+    # stored failure before its offset may move, and of a DLQ record before readers see it.
+    changelog_commit_interval: PositiveDuration = 0.1
 
 
 class BackoffConfig(_Model):
@@ -290,6 +297,14 @@ class BridgeConfig(_Model):
 
     def dlq_topic(self, queue: str) -> str:
         return self.queues[queue].dlq_topic or f"{queue}.dlq"
+
+    def changelog_topic(self, source_topic: str) -> str:
+        """The changelog of one source topic: named after the group too, so two groups never share one."""
+        name = f"{self.kafka.group_id}-{source_topic}-rdq-changelog"
+        return re.sub(r"[^a-zA-Z0-9._-]", "_", name)[:249]
+
+    def source_topics(self) -> list[str]:
+        return list(dict.fromkeys(t for q in self.queues.values() for t in q.sources))
 
     def queue_for_topic(self, topic: str) -> str | None:
         for name, queue in self.queues.items():

@@ -5,6 +5,9 @@
   past a record that is not: the commit is the highest contiguous done offset of each partition.
 - Before a batch's handlers start, each partition's in-flight offset range is journaled (one write per batch): if
   the process dies, those records come back marked as suspects and become tasks instead of running inline again.
+- With the changelog (SPEC §10) an assigned partition is first restored from its changelog (not consumed
+  meanwhile); a stored failure's offset moves only once its task is in the changelog; offsets are committed in
+  the changelog writer's transactions; a revoked partition hands its tasks over (finish or release, flush, drop).
 - A partition is paused while too many of its fetched records wait for a slot, while its queue is over
   `max_open_tasks`, while the store cannot be written, and while its queue is paused by an operator; it resumes
   by itself.
@@ -22,6 +25,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from bridge.changelog.local import LocalIndex
+from bridge.changelog.restore import RestoreFailed, Restorer
+from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.first_delivery import FirstDelivery
@@ -30,6 +36,7 @@ from bridge.model import Status
 from bridge.offsets import PartitionTracker
 from bridge.records import SourceRecord
 from bridge.store import Store, StoreError
+from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
@@ -41,6 +48,18 @@ _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
 
 
+class Changelog:
+    """What the consumer needs of the changelog: restore on assign, the writer for offsets, hand-over on revoke."""
+
+    def __init__(self, local: LocalIndex, writer: ChangelogWriter, restorer: Restorer,
+                 hand_over: Callable[[set[TP], float], Any], telemetry: Telemetry) -> None:
+        self.local = local
+        self.writer = writer
+        self.restorer = restorer
+        self.hand_over = hand_over
+        self.telemetry = telemetry
+
+
 def _first(value: int | None, default: int) -> int:
     return default if value is None else value  # not `value or default`: offset 0 is an offset
 
@@ -48,7 +67,7 @@ def _first(value: int | None, default: int) -> int:
 class SourceConsumer:
     def __init__(self, config: BridgeConfig, live: LiveConfig, delivery: FirstDelivery, store: Store, run_id: str,
                  clock: Clock, consumer_factory: Callable[[], Consumer], grace_period: float = 10.0,
-                 paused_queues: Callable[[], set[str]] | None = None) -> None:
+                 paused_queues: Callable[[], set[str]] | None = None, changelog: Changelog | None = None) -> None:
         self.config = config
         self.live = live
         self.delivery = delivery
@@ -71,6 +90,10 @@ class SourceConsumer:
         self._open_tasks: dict[str, int] = {}
         self._was_held: set[str] = set()
         self._store_healthy = True
+        self.changelog = changelog
+        self._restoring: set[TP] = set()
+        self._baseline: dict[TP, int] = {}  # committed offset found at assignment
+        self._restores: set[asyncio.Task[None]] = set()
         self.stats = {"records": 0, "suspects": 0}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
@@ -92,8 +115,27 @@ class SourceConsumer:
             self._start_ready(tp)
 
     def owns(self, topic: str, partition: int) -> bool:
-        """Is this source partition assigned to this instance now?"""
-        return (topic, partition) in self._assigned
+        """Is this source partition assigned to this instance now (and restored)?"""
+        return (topic, partition) in self._assigned and (topic, partition) not in self._restoring
+
+    @property
+    def restoring(self) -> set[TP]:
+        return set(self._restoring)
+
+    def group_metadata(self) -> Any | None:
+        return None if self._consumer is None else self._consumer.consumer_group_metadata()
+
+    def commit_positions(self) -> dict[TP, int]:
+        """What the changelog writer commits for each owned partition: the highest contiguous done offset."""
+        out = {}
+        for tp in self._assigned - self._restoring:
+            tracker = self._trackers.get(tp)
+            offset = tracker.commit_offset() if tracker is not None else None
+            if offset is None:
+                offset = self._baseline.get(tp)
+            if offset is not None:
+                out[tp] = offset
+        return out
 
     @property
     def store_healthy(self) -> bool:
@@ -174,7 +216,8 @@ class SourceConsumer:
         backlog = self._backlog.get(tp)
         running = self._running.setdefault(tp, set())
         limit = self.config.kafka.partition_concurrency
-        if not self._store_healthy or self.config.queue_for_topic(tp[0]) in self._held_queues():
+        if (not self._store_healthy or tp in self._restoring
+                or self.config.queue_for_topic(tp[0]) in self._held_queues()):
             return  # fetched records wait too, not only the fetching
         while backlog and len(running) < limit:
             record = backlog.popleft()
@@ -189,9 +232,14 @@ class SourceConsumer:
             self.stats["suspects"] += 1
         done = False
         try:
-            if await self.delivery.handle(record, queue, suspect) == Status.PENDING:
+            stored = await self.delivery.handle_record(record, queue, suspect)
+            if stored is not None and stored.status == Status.PENDING:
                 self._note_open_task(queue)
-            done = True
+            if stored is not None and self.changelog is not None:
+                # Stored here; its offset moves once its task is in the changelog (the slot is free already).
+                self.changelog.writer.when_logged(stored.task_id, lambda: self._logged(tp, record.offset))
+            else:
+                done = True
         except Exception:
             # Not done: keep the record pending (the commit cannot pass it) and try it again shortly.
             log.exception("first delivery failed unexpectedly; retrying", extra={"queue": queue})
@@ -205,6 +253,11 @@ class SourceConsumer:
                 if done:
                     tracker.done(record.offset)
                 self._start_ready(tp)
+
+    def _logged(self, tp: TP, offset: int) -> None:
+        tracker = self._trackers.get(tp)
+        if tracker is not None:
+            tracker.done(offset)
 
     def _is_suspect(self, tp: TP, offset: int) -> bool:
         return any(lo <= offset <= hi for lo, hi in self._suspects.get(tp, ()))
@@ -222,6 +275,8 @@ class SourceConsumer:
         return out
 
     async def _flush_offsets(self) -> None:
+        if self.changelog is not None:
+            return  # the changelog writer commits offsets, in its transactions
         offsets = [o for o in self._commit_offsets() if (o.topic, o.partition) in self._assigned]
         if not offsets or self._consumer is None:
             return
@@ -247,7 +302,7 @@ class SourceConsumer:
             return set(self._assigned)
         held = self._held_queues()
         high = _BACKLOG_HIGH
-        wanted = set()
+        wanted = self._restoring & self._assigned
         for tp in self._assigned:
             waiting = len(self._backlog.get(tp, ()))
             if (waiting > high or (tp in self._paused and waiting > high // 2)
@@ -305,8 +360,66 @@ class SourceConsumer:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         assert self._loop is not None
+        if self.changelog is not None:
+            self._restoring |= tps  # set here, on the consumer thread: no record of theirs starts before restored
+            self._loop.call_soon_threadsafe(self._start_restore, tps)
         self._loop.call_soon_threadsafe(self._assigned.update, tps)
         log.info("assigned %s", sorted(f"{t}/{p}" for t, p in tps))
+
+    # ---- restore (SPEC §10) --------------------------------------------------------------------------------
+
+    def _start_restore(self, tps: set[TP]) -> None:
+        task = asyncio.create_task(self._restore_all(tps), name="rdq-restore")
+        self._restores.add(task)
+        task.add_done_callback(self._restores.discard)
+
+    async def _restore_all(self, tps: set[TP]) -> None:
+        assert self.changelog is not None
+        for tp in sorted(tps):
+            await self._restore_one(tp)
+        await self._drop_strangers()
+
+    async def _restore_one(self, tp: TP) -> None:
+        assert self.changelog is not None and self._consumer is not None
+        metrics = self.changelog.telemetry.metrics
+        label = f"{tp[0]}/{tp[1]}"
+        metrics.restoring.labels(label).set(1)
+        delay = 0.5
+        while tp in self._assigned or tp in self._restoring:
+            try:
+                report = await self.changelog.restorer.restore(tp, wanted=lambda: tp in self._restoring)
+                committed = await self._call(self._consumer.committed, [TopicPartition(*tp)], 10.0)
+                break
+            except (RestoreFailed, KafkaException, StoreError) as e:
+                if tp not in self._restoring:
+                    return
+                log.error("cannot restore %s yet (it stays unready and unconsumed; retrying): %s", label, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        else:
+            return
+        if tp not in self._restoring:
+            return  # revoked while restoring
+        if committed and committed[0].offset >= 0:
+            self._baseline[tp] = committed[0].offset
+        await self.changelog.local.set_home(tp, "active")
+        self._restoring.discard(tp)
+        metrics.restoring.labels(label).set(0)
+        metrics.restored_tasks.labels(label).set(report.tasks)
+        metrics.restore_seconds.labels(label).set(report.seconds)
+        log.info("restored %s: %d tasks from %d changelog records in %.2fs (%d tombstones, %d unreadable, "
+                 "%d local tasks the changelog no longer holds dropped)", label, report.tasks, report.records,
+                 report.seconds, report.tombstones, report.unreadable, report.dropped)
+        self._start_ready(tp)
+
+    async def _drop_strangers(self) -> None:
+        """Tasks in this file whose partition is not this instance's (left by a crash, or by a run before the
+        group moved it): the owner restores them from the changelog; kept here they would only mislead."""
+        assert self.changelog is not None
+        for home in await self.changelog.local.homes_present() - self._assigned - self._restoring:
+            if home[0] in self.changelog.restorer.topics:
+                dropped = await self.changelog.local.drop_home(home)
+                log.info("dropped %d tasks of %s/%d: another instance owns that partition", dropped, *home)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
@@ -317,7 +430,7 @@ class SourceConsumer:
         except Exception:
             log.exception("could not drain revoked partitions; their uncommitted records will be redelivered")
             return
-        if offsets:
+        if offsets and self.changelog is None:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
             except KafkaException as e:
@@ -327,7 +440,7 @@ class SourceConsumer:
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._forget(tps), self._loop)
+        asyncio.run_coroutine_threadsafe(self._lose(tps), self._loop)
         log.warning("partitions lost %s: their uncommitted records will be redelivered", sorted(tps))
 
     async def _release(self, tps: set[TP]) -> list[TopicPartition]:
@@ -337,17 +450,61 @@ class SourceConsumer:
         """
         for tp in tps:
             self._backlog.pop(tp, None)
+        restoring = tps & self._restoring
+        self._restoring -= tps
+        if self.changelog is not None:
+            for tp in tps - restoring:
+                await self._changelog_call(self.changelog.local.set_home(tp, "leaving"))
         running = [t for tp in tps for t in self._running.get(tp, ())]
         if running:
             _, late = await asyncio.wait(running, timeout=self.grace_period)
             if late:
                 log.warning("%d records still running after the grace period; they may run twice", len(late))
+        if self.changelog is not None:
+            await self._hand_over(tps - restoring)
         offsets = self._commit_offsets(tps, only_new=False)
         await self._forget(tps)
         return offsets
 
-    async def _forget(self, tps: set[TP]) -> None:
+    async def _hand_over(self, tps: set[TP]) -> None:
+        """Revoked partitions' tasks: running attempts finish (or are released), the changelog is flushed with
+        the final offsets, then this file lets the tasks go: the next owner restores them."""
+        assert self.changelog is not None
+        await self.changelog.hand_over(tps, self.grace_period)
+        flushed = await self.changelog.writer.flush()
         for tp in tps:
+            if flushed:
+                dropped = await self._changelog_call(self.changelog.local.drop_home(tp))
+                log.info("handed over %s/%d: %s tasks flushed to the changelog and dropped here", *tp, dropped)
+            else:
+                # Kept (not acted on): the next start's restore sorts it out; the changelog stays the truth.
+                await self._changelog_call(self.changelog.local.set_home(tp, None))
+                log.warning("handed over %s/%d without a final changelog flush: transitions since the last "
+                            "transaction are lost to the next owner (their attempts run again)", *tp)
+
+    @staticmethod
+    async def _changelog_call(call: Any) -> Any:
+        try:
+            return await call
+        except StoreError as e:
+            log.error("store error while handing over a partition: %s", e)
+            return None
+
+    async def _lose(self, tps: set[TP]) -> None:
+        """Partitions lost (this instance was out of the group): another owns them already; whatever this file
+        holds of theirs that the changelog does not is lost to it (those attempts run again there)."""
+        if self.changelog is not None:
+            for tp in tps:
+                await self._changelog_call(self.changelog.local.set_home(tp, None))
+            await self.changelog.hand_over(tps, 0.0)
+            for tp in tps:
+                await self._changelog_call(self.changelog.local.drop_home(tp))
+        await self._forget(tps)
+
+    async def _forget(self, tps: set[TP]) -> None:
+        self._restoring -= tps
+        for tp in tps:
+            self._baseline.pop(tp, None)
             self._trackers.pop(tp, None)
             self._backlog.pop(tp, None)
             self._running.pop(tp, None)
@@ -369,10 +526,12 @@ class SourceConsumer:
         late: set[asyncio.Task[None]] = set()
         if running:
             _, late = await asyncio.wait(running, timeout=self.grace_period)
+        for task in list(self._restores):
+            task.cancel()
         if self._consumer is not None:
             offsets = self._commit_offsets(only_new=False)
             with contextlib.suppress(KafkaException):
-                if offsets:
+                if offsets and self.changelog is None:
                     await self._call(self._consumer.commit, offsets=offsets, asynchronous=False)
             await self._call(self._consumer.close)  # revokes (our callback commits again) and leaves the group
         if not late:  # everything handed to a handler finished: this run's journal has nothing to say

@@ -22,6 +22,7 @@ from typing import Any, cast
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
+from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.model import Task
@@ -163,7 +164,8 @@ class DlqPublisher:
 
     def __init__(self, store: Store, config: BridgeConfig, producer_factory: Callable[[int], Producer],
                  admin_factory: Callable[[], AdminClient], clock: Clock, wake: asyncio.Event,
-                 batch: int = 500, telemetry: Telemetry | None = None) -> None:
+                 batch: int = 500, telemetry: Telemetry | None = None,
+                 changelog: ChangelogWriter | None = None) -> None:
         self.store = store
         self.config = config
         self.clock = clock
@@ -173,6 +175,9 @@ class DlqPublisher:
         self._producer_factory = producer_factory
         self._admin_factory = admin_factory
         self._producer: Producer | None = None
+        # With the changelog (SPEC §10): each record goes out in the changelog's transaction, with its task's
+        # "published" mark: exactly once, even if the bridge dies right after.
+        self.changelog = changelog
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, Task] = {}
         self._stuck_queues: set[str] = set()
@@ -190,8 +195,9 @@ class DlqPublisher:
         self._loop = asyncio.get_running_loop()
         # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
         limits = [await self._limit(self.config.dlq_topic(q)) for q in self.config.queues]
-        self._producer = self._producer_factory(min([_DEFAULT_BATCH, *limits]))
-        self._polling.set()
+        if self.changelog is None:
+            self._producer = self._producer_factory(min([_DEFAULT_BATCH, *limits]))
+            self._polling.set()
         poller = threading.Thread(target=self._poll, name="rdq-dlq-poll", daemon=True)
         poller.start()
         try:
@@ -213,7 +219,6 @@ class DlqPublisher:
 
         One entry that cannot be built or sent is given its own retry time and error (kept in the store) and the
         others go on: nothing about one task blocks the outbox, or stops the bridge."""
-        assert self._producer is not None
         sent = 0
         for task in await self.store.dlq_outbox(self.batch + len(self._pending), self.clock.now_ms()):
             if task.id in self._pending:
@@ -234,7 +239,6 @@ class DlqPublisher:
         return sent
 
     async def _produce(self, task: Task, topic: str, limit: int) -> None:
-        assert self._producer is not None
         with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
             # Traced: the record carries the publish span's context (same trace); untraced: the source's.
             traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
@@ -245,6 +249,11 @@ class DlqPublisher:
             if record.trimmed:
                 log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
                             extra={"task_id": task.id, "queue": task.queue})
+            if self.changelog is not None:
+                self.changelog.produce_dlq(task.id, task.home, topic, record.key, record.value, record.headers,
+                                           partial(self._on_delivery, task))
+                return
+            assert self._producer is not None
             self._producer.produce(topic, value=record.value, key=record.key, headers=cast(Any, record.headers),
                                    on_delivery=partial(self._on_delivery, task))
 
@@ -315,7 +324,8 @@ class DlqPublisher:
         try:
             while True:
                 try:
-                    await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms())
+                    await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms(),
+                                                        logged=self.changelog is not None)
                     break
                 except StoreError as e:
                     if self._stopping:

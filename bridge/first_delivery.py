@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from bridge.clock import Clock
 from bridge.config import QueueConfig
@@ -26,6 +27,14 @@ from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A first delivery's failure, stored: the task's status and id (the id the changelog is awaited on)."""
+
+    status: Status
+    task_id: str
 
 
 class FirstDelivery:
@@ -46,6 +55,11 @@ class FirstDelivery:
 
     async def handle(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Status | None:
         """Done when this returns. Returns the status of the stored task, or None on success."""
+        stored = await self.handle_record(record, queue_name, suspect)
+        return None if stored is None else stored.status
+
+    async def handle_record(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Stored | None:
+        """Done (succeeded, or its task durably in the store) when this returns; None on success."""
         queue = self.config.queue(queue_name)
         headers = record.task_headers()
         self.telemetry.metrics.record_seen(queue_name)  # every record, however it is handled
@@ -142,7 +156,7 @@ class FirstDelivery:
                        status=Status.DEAD, created_at=self.clock.now_ms(), first_attempt=attempt, dead_reason=reason,
                        payload_content_type=record.content_type)
 
-    async def _store(self, task: NewTask) -> Status:
+    async def _store(self, task: NewTask) -> Stored:
         """Store until it is durable. While the store fails, the consumer is paused; the record is never dropped."""
         delay = 0.05
         while True:
@@ -167,4 +181,4 @@ class FirstDelivery:
                 self.on_dead(task.queue)
         elif self.on_pending:
             self.on_pending(task.queue)
-        return task.status
+        return Stored(task.status, task.id)

@@ -32,6 +32,8 @@ def consumer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "partition.assignment.strategy": "cooperative-sticky",
         "auto.commit.interval.ms": 1000,
+        # With the changelog, offsets are committed only in its transactions (with the tasks they depend on).
+        **({"enable.auto.commit": False} if config.store.changelog else {}),
         **config.kafka.consumer,
         **overrides,
     }
@@ -44,6 +46,26 @@ def make_producer(config: BridgeConfig, **overrides: Any) -> Producer:
 def make_dlq_producer(config: BridgeConfig, batch_bytes: int) -> Producer:
     return make_producer(config, **{"message.max.bytes": config.kafka.dlq_max_message_bytes,
                                     "batch.size": batch_bytes})
+
+
+def make_changelog_producer(config: BridgeConfig, instance_id: str, batch_bytes: int) -> Producer:
+    """The transactional producer of the changelog, the DLQ and the source offsets (SPEC §10). Its id is the
+    instance's: a restarted instance with the same id aborts its predecessor's open transaction at once; a
+    crashed one's is aborted by the broker after `transaction.timeout.ms` (restores wait for it)."""
+    return make_producer(config, **{
+        "transactional.id": f"rdq-{config.kafka.group_id}-{instance_id}",
+        "transaction.timeout.ms": 10_000,
+        "message.max.bytes": config.kafka.dlq_max_message_bytes,
+        "batch.size": batch_bytes,
+    })
+
+
+def make_restore_consumer(config: BridgeConfig, instance_id: str) -> Consumer:
+    """Reads changelog partitions by assignment (no group), committed transactions only."""
+    return Consumer({**_base(config), "group.id": f"rdq-restore-{instance_id}", "enable.auto.commit": False,
+                     "isolation.level": "read_committed", "enable.partition.eof": True,
+                     "auto.offset.reset": "earliest", "fetch.max.bytes": 64 * 1024 * 1024,
+                     "max.partition.fetch.bytes": 16 * 1024 * 1024})
 
 
 def make_consumer(config: BridgeConfig, **overrides: Any) -> Consumer:
@@ -65,8 +87,16 @@ def ensure_topics(config: BridgeConfig, timeout: float = 30.0) -> list[str]:
     admin = make_admin(config)
     existing = set(admin.list_topics(timeout=timeout).topics)
     wanted = [t for t in config.topics() if t not in existing]
-    if not wanted:
-        return []
+    created = _create(config, admin, wanted, timeout) if wanted else []
+    if config.store.changelog:
+        from bridge.changelog.topics import ensure_changelogs
+
+        before = set(admin.list_topics(timeout=timeout).topics)
+        created += [t for t in ensure_changelogs(config, admin, timeout).values() if t not in before]
+    return created
+
+
+def _create(config: BridgeConfig, admin: AdminClient, wanted: list[str], timeout: float) -> list[str]:
     dlq_topics = {config.dlq_topic(q) for q in config.queues}
     dlq_settings = {"max.message.bytes": str(config.kafka.dlq_max_message_bytes)}
     new = [

@@ -37,6 +37,21 @@ class Outcome(StrEnum):
     LEASE_EXPIRED = "LEASE_EXPIRED"
 
 
+def home_of(headers: dict[str, str]) -> tuple[str, int] | None:
+    """A task's home (SPEC §10): the (topic, partition) of its `rdq.source` = kafka://topic/partition/offset."""
+    source = headers.get("rdq.source", "")
+    if not source.startswith("kafka://"):
+        return None
+    parts = source[len("kafka://"):].rsplit("/", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def home_params(home: tuple[str, int] | None) -> dict[str, Any]:
+    return {"home_topic": home[0] if home else None, "home_partition": home[1] if home else None}
+
+
 def new_task_id() -> str:
     return str(ULID())
 
@@ -160,6 +175,10 @@ class Task:
     def source(self) -> str:
         return self.headers.get("rdq.source", "")
 
+    @property
+    def home(self) -> tuple[str, int] | None:
+        return home_of(self.headers)
+
     @classmethod
     def from_row(cls, row: sqlite3.Row, attempts: tuple[Attempt, ...] = ()) -> Task:
         reason = None
@@ -263,6 +282,7 @@ class NewTask:
             "dead_reason_type": self.dead_reason.type if self.dead_reason else None,
             "dead_reason_message": self.dead_reason.message if self.dead_reason else None,
             "dlq_state": "PENDING" if dead else None, "source_ref": self.source_ref,
+            **home_params(home_of(self.headers)),
         }  # fmt: skip
 
     @property

@@ -299,6 +299,19 @@ class Scheduler:
         released = await asyncio.shield(self._release(left))
         return released
 
+    async def hand_over(self, homes: set[tuple[str, int]], grace: float) -> int:
+        """Partitions revoked (SPEC §10): their tasks are no longer claimed here (the store scopes claims to the
+        active homes); running attempts of theirs finish within `grace`, the rest are released. Returns how
+        many leases were released."""
+        pending = [e for e in self._running.values() if e.task.home in homes]
+        if pending:
+            waits = [asyncio.ensure_future(e.done.wait()) for e in pending]
+            await asyncio.wait(waits, timeout=grace)
+            for w in waits:
+                w.cancel()
+        left = [e for e in self._running.values() if e.task.home in homes]
+        return await asyncio.shield(self._release(left))
+
     async def _release(self, executions: list[_Execution]) -> int:
         released = 0
         for execution in executions:

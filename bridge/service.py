@@ -14,9 +14,15 @@ import os
 import signal
 from pathlib import Path
 
+from confluent_kafka import Producer
+
 from bridge.admin import AdminCommands, AdminLoop
+from bridge.changelog.local import LocalIndex
+from bridge.changelog.restore import Restorer
+from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
+from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
-from bridge.consumer import SourceConsumer
+from bridge.consumer import Changelog, SourceConsumer
 from bridge.dlq import DlqPublisher
 from bridge.engine import Engine, default_instance_id, supervise
 from bridge.first_delivery import FirstDelivery
@@ -26,9 +32,11 @@ from bridge.kafka_clients import (
     broker_reachable,
     make_admin,
     make_admin_consumer,
+    make_changelog_producer,
     make_consumer,
     make_dlq_producer,
     make_producer,
+    make_restore_consumer,
     read_record,
 )
 from bridge.live_config import LiveConfig
@@ -70,7 +78,8 @@ class Bridge:
     """Every part of a running bridge, built from one config."""
 
     def __init__(self, config: BridgeConfig, store: Store, registry: Registry, config_path: Path | None = None,
-                 instance_id: str | None = None, telemetry: Telemetry | None = None) -> None:
+                 instance_id: str | None = None, telemetry: Telemetry | None = None,
+                 changelog_topics: dict[str, str] | None = None) -> None:
         self.config = config
         self.store = store
         self.live = LiveConfig(config, config_path)
@@ -85,9 +94,12 @@ class Bridge:
         self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.threads,
                                       self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
                                       telemetry=self.telemetry, on_pending=self.engine.scheduler.wake)
+        self.changelog: Changelog | None = None
+        if changelog_topics is not None:
+            self.changelog = self._changelog(config, store, changelog_topics)
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
                                        lambda: make_consumer(config), grace,
-                                       paused_queues=lambda: self.engine.scheduler.paused)
+                                       paused_queues=lambda: self.engine.scheduler.paused, changelog=self.changelog)
         self.delivery.on_store_health = self.consumer.set_store_health
         self.admin: AdminLoop | None = None
         if config.admin is not None:
@@ -97,13 +109,29 @@ class Bridge:
                                    lambda: make_producer(config), self.engine.clock.now_ms)
         self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
                                 lambda: make_admin(config), self.engine.clock, self.engine.dead_event,
-                                telemetry=self.telemetry)
+                                telemetry=self.telemetry,
+                                changelog=self.changelog.writer if self.changelog is not None else None)
         self.workers = WorkerServer(config.workers, self.engine) if config.workers is not None else None
         self.health: HealthServer | None = None
         if config.telemetry.port is not None:
             self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
                                        config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
                                        queues=self.live.queue_names)
+
+    def _changelog(self, config: BridgeConfig, store: Store, topics: dict[str, str]) -> Changelog:
+        instance = self.engine.instance_id
+        local = LocalIndex(store)
+
+        def producer() -> Producer:
+            # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
+            limits = [self.dlq._topic_limit(config.dlq_topic(q)) for q in config.queues]
+            return make_changelog_producer(config, instance, min([1_000_000, *limits]))
+
+        writer = ChangelogWriter(local, topics, producer, lambda: self.consumer.commit_positions(),
+                                 lambda: self.consumer.group_metadata(), self.engine.clock,
+                                 config.store.changelog_commit_interval, self.telemetry)
+        restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock)
+        return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry)
 
     async def run(self, stop: asyncio.Event) -> None:
         parts = [
@@ -117,24 +145,58 @@ class Bridge:
             parts.append(asyncio.create_task(self.health.run(stop), name="rdq-health"))
         if self.workers is not None:
             parts.append(asyncio.create_task(self.workers.run(stop), name="rdq-workers"))
+        if self.changelog is not None:
+            parts.append(asyncio.create_task(self.changelog.writer.run(stop), name="rdq-changelog"))
         try:
             await supervise(parts, stop)
         finally:
+            if self.changelog is not None:
+                await self.changelog.writer.close()
             for handler in self.http_handlers.values():
                 await handler.close()
             self.engine.close()
             self.telemetry.shutdown()
 
 
+async def open_bridge(config: BridgeConfig, registry: Registry, config_path: Path | None = None,
+                      instance_id: str | None = None, telemetry: Telemetry | None = None,
+                      stop: asyncio.Event | None = None) -> Bridge:
+    """The store opened as the config says (scoped to owned partitions with the changelog) and the bridge on it."""
+    store = await Store.open(config.store.path, config.store.synchronous, config.store.busy_timeout,
+                             config.store.group_commit_max, scoped=config.store.changelog)
+    try:
+        if config.store.max_size_mb is not None:
+            await store.limit_size(int(config.store.max_size_mb * 2**20))
+        topics = await changelog_topics(config, stop or asyncio.Event()) if config.store.changelog else None
+    except BaseException:
+        await store.close()
+        raise
+    return Bridge(config, store, registry, config_path, instance_id, telemetry, changelog_topics=topics)
+
+
+async def changelog_topics(config: BridgeConfig, stop: asyncio.Event) -> dict[str, str]:
+    """The changelog topic of each source topic, created when missing and checked (SPEC §10). Waits for the
+    broker; a changelog that exists but is wrong refuses the start (ChangelogTopicError)."""
+    delay = 0.5
+    while True:
+        try:
+            return await asyncio.to_thread(ensure_changelogs, config, make_admin(config), 10.0)
+        except ChangelogTopicError:
+            raise
+        except Exception as e:  # KafkaException: the broker is not reachable (yet)
+            if stop.is_set():
+                raise
+            log.warning("cannot check the changelog topics yet (the broker?); retrying: %s", e)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
 async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     registry = load_handler_modules(config.engine.handler_modules)
     check_handlers(config, registry)
-    store = await Store.open(config.store.path, config.store.synchronous, config.store.busy_timeout,
-                             config.store.group_commit_max)
-    if config.store.max_size_mb is not None:
-        await store.limit_size(int(config.store.max_size_mb * 2**20))
-    bridge = Bridge(config, store, registry, config_path)
+    bridge = await open_bridge(config, registry, config_path, stop=stop)
+    store = bridge.store
     _install_signals(asyncio.get_running_loop(), stop, bridge.live)
     reachable = await asyncio.to_thread(broker_reachable, config)
     log.info("rdq bridge %s started: store %s, kafka %s (%s), queues %s", bridge.engine.instance_id, store.path,

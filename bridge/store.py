@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from bridge.model import LEASE_EXPIRED, Attempt, ErrorInfo, NewTask, Outcome, Status, Task
+from bridge.model import LEASE_EXPIRED, Attempt, ErrorInfo, NewTask, Outcome, Status, Task, home_params
 from bridge.queries import migrations, q
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,11 @@ def _attempt_params(task_id: str, report: RunReport, attempt_no: int, redrive_no
 
 
 class Store:
-    def __init__(self, db: aiosqlite.Connection, path: Path, group_commit_max: int) -> None:
+    def __init__(self, db: aiosqlite.Connection, path: Path, group_commit_max: int, scoped: bool = False) -> None:
         self._db = db
+        # Scoped (the changelog is on, SPEC §10): the store acts only on tasks whose home partition is in `homes`
+        # (assigned to this instance and restored); the others are not this instance's to run, time out or purge.
+        self.scoped = scoped
         # Scans (stats, lists, counts for gauges and back-pressure) run on a read-only connection of their own:
         # on the writer's they would queue group commits behind a whole-table count.
         self._reader: aiosqlite.Connection | None = None
@@ -112,7 +115,7 @@ class Store:
 
     @classmethod
     async def open(cls, path: str | Path, synchronous: str = "FULL", busy_timeout: float = 5.0,
-                   group_commit_max: int = 2000) -> Store:
+                   group_commit_max: int = 2000, scoped: bool = False) -> Store:
         path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +126,7 @@ class Store:
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"{path}: cannot open the store: {e}") from e
         db.row_factory = sqlite3.Row
-        store = cls(db, path, group_commit_max)
+        store = cls(db, path, group_commit_max, scoped)
         try:
             await store._in_thread(store._prepare, synchronous, busy_timeout)
         except (sqlite3.Error, StoreError) as e:
@@ -147,6 +150,7 @@ class Store:
         conn.execute(f"PRAGMA busy_timeout={_ms(busy_timeout)}")
         conn.execute("PRAGMA temp_store=MEMORY")
         self._migrate(conn)
+        conn.execute(q("homes_clear"))  # no partition is this instance's until the group assigns and it restores
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
         current = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -329,7 +333,8 @@ class Store:
     # ---- claim and lease -------------------------------------------------------------------------------
 
     async def claim_due(self, queue: str, limit: int, lease: float, owner: str, now: int) -> list[Task]:
-        params = {"queue": queue, "limit": limit, "lease_ms": _ms(lease), "owner": owner, "now": now}
+        params = {"queue": queue, "limit": limit, "lease_ms": _ms(lease), "owner": owner, "now": now,
+                  "scoped": self.scoped}
         rows = await self._submit(lambda c: c.execute(q("claim_due"), params).fetchall())
         # RETURNING order is unspecified: start the longest overdue first.
         return sorted((Task.from_row(r) for r in rows), key=lambda t: (t.next_attempt_at or 0, t.id))
@@ -389,7 +394,8 @@ class Store:
     # ---- sweep (SPEC §4.8) -----------------------------------------------------------------------------
 
     async def lapsed_leases(self, now: int, limit: int = 500) -> list[sqlite3.Row]:
-        return await self._read(lambda c: c.execute(q("lapsed_leases"), {"now": now, "limit": limit}).fetchall())
+        params = {"now": now, "limit": limit, "scoped": self.scoped}
+        return await self._read(lambda c: c.execute(q("lapsed_leases"), params).fetchall())
 
     async def expire_lease(self, lapsed: Mapping[str, Any] | sqlite3.Row, now: int, next_attempt_at: int | None,
                            error: ErrorInfo | None = None, holder_gone: bool = False) -> bool:
@@ -422,7 +428,8 @@ class Store:
         """PENDING or IN_FLIGHT tasks whose life began before `cutoff` → DEAD rdq.Timeout."""
 
         def apply(conn: sqlite3.Connection) -> int:
-            rows = conn.execute(q("timed_out"), {"queue": queue, "cutoff": cutoff, "limit": limit}).fetchall()
+            rows = conn.execute(q("timed_out"), {"queue": queue, "cutoff": cutoff, "limit": limit,
+                                                 "scoped": self.scoped}).fetchall()
             done = 0
             for row in rows:
                 params = {"id": row["id"], "status": row["status"], "token": row["lease_token"], "now": now,
@@ -443,24 +450,21 @@ class Store:
     async def purge(self, queue: str, retain_from: str, cutoff: int, limit: int = 1000) -> int:
         query = "purge_fetched" if retain_from == "fetched" else "purge_finished"
 
-        def apply(conn: sqlite3.Connection) -> int:
-            ids = [r[0] for r in conn.execute(q(query), {"queue": queue, "cutoff": cutoff, "limit": limit})]
-            for task_id in ids:
-                conn.execute(q("delete_attempts"), {"id": task_id})
-                conn.execute(q("delete_redrives"), {"id": task_id})
-            return len(ids)
+        params = {"queue": queue, "cutoff": cutoff, "limit": limit, "scoped": self.scoped}
+        return await self._submit(lambda c: self._purged(c, c.execute(q(query), params).fetchall()))
 
-        return await self._submit(apply)
+    def _purged(self, conn: sqlite3.Connection, rows: list[sqlite3.Row]) -> int:
+        """The rest of a purge: the deleted tasks' history, and (scoped) a tombstone for their changelog."""
+        for row in rows:
+            conn.execute(q("delete_attempts"), {"id": row[0]})
+            conn.execute(q("delete_redrives"), {"id": row[0]})
+            if self.scoped and row[1] is not None:
+                conn.execute(q("tombstone_add"), {"id": row[0], "home_topic": row[1], "home_partition": row[2]})
+        return len(rows)
 
     async def purge_task(self, task_id: str) -> bool:
-        def apply(conn: sqlite3.Connection) -> bool:
-            if conn.execute(q("purge_task"), {"id": task_id}).fetchone() is None:
-                return False
-            conn.execute(q("delete_attempts"), {"id": task_id})
-            conn.execute(q("delete_redrives"), {"id": task_id})
-            return True
-
-        return await self._submit(apply)
+        params = {"id": task_id, "scoped": self.scoped}
+        return await self._submit(lambda c: self._purged(c, c.execute(q("purge_task"), params).fetchall()) == 1)
 
     # ---- operator actions ------------------------------------------------------------------------------
 
@@ -470,7 +474,7 @@ class Store:
         said they did it (`by`, self-asserted) and which verified key signed the command (`key_id`)."""
 
         def apply(conn: sqlite3.Connection) -> bool:
-            got = conn.execute(q("redrive"), {"id": task_id, "now": now}).fetchone()
+            got = conn.execute(q("redrive"), {"id": task_id, "now": now, "scoped": self.scoped}).fetchone()
             if got is None:
                 return False
             conn.execute(q("insert_redrive"), {"task_id": task_id, "redrive_no": got[0], "at": now, "by": by,
@@ -487,7 +491,7 @@ class Store:
 
     async def dlq_outbox(self, limit: int = 500, now: int | None = None) -> list[Task]:
         """Unpublished DEAD tasks due for a (re)try at `now` (None: all of them)."""
-        params = {"limit": limit, "now": 2**62 if now is None else now}
+        params = {"limit": limit, "now": 2**62 if now is None else now, "scoped": self.scoped}
 
         def read(conn: sqlite3.Connection) -> list[Task]:
             rows = conn.execute(q("dlq_outbox"), params).fetchall()
@@ -515,9 +519,11 @@ class Store:
 
         return await self._submit(apply)
 
-    async def mark_dlq_published(self, task: Task, topic: str, partition: int, offset: int, now: int) -> bool:
+    async def mark_dlq_published(self, task: Task, topic: str, partition: int, offset: int, now: int,
+                                 logged: bool = False) -> bool:
+        """`logged`: this very state went to the changelog with the DLQ record, in one Kafka transaction."""
         params = {"id": task.id, "topic": topic, "partition": partition, "offset": offset, "now": now,
-                  "redrive_count": task.redrive_count}
+                  "redrive_count": task.redrive_count, "logged": logged}
         return await self._submit(lambda c: c.execute(q("mark_dlq_published"), params).rowcount == 1)
 
     # ---- admin (SPEC §7) -------------------------------------------------------------------------------
@@ -549,19 +555,14 @@ class Store:
 
     async def purge_queue(self, queue: str, status: Status | None = None, before: int | None = None,
                           limit: int = 10_000) -> int:
-        params = {"queue": queue, "status": status.value if status else None, "before": before, "limit": limit}
+        params = {"queue": queue, "status": status.value if status else None, "before": before, "limit": limit,
+                  "scoped": self.scoped}
+        return await self._submit(lambda c: self._purged(c, c.execute(q("purge_terminal"), params).fetchall()))
 
-        def apply(conn: sqlite3.Connection) -> int:
-            ids = [r[0] for r in conn.execute(q("purge_terminal"), params)]
-            for task_id in ids:
-                conn.execute(q("delete_attempts"), {"id": task_id})
-                conn.execute(q("delete_redrives"), {"id": task_id})
-            return len(ids)
-
-        return await self._submit(apply)
-
-    async def recreate_dead(self, task: Task, topic: str, partition: int, offset: int) -> bool:
-        """Put back a DEAD task from its DLQ envelope, same id and history. False if the store has it."""
+    async def recreate_dead(self, task: Task, topic: str, partition: int, offset: int,
+                            home: tuple[str, int] | None = None) -> bool:
+        """Put back a DEAD task from its DLQ envelope, same id and history. False if the store has it.
+        `home`: the partition it goes home to (default: its `rdq.source` partition)."""
 
         def apply(conn: sqlite3.Connection) -> bool:
             if conn.execute(q("get_task"), {"id": task.id}).fetchone() is not None:
@@ -576,7 +577,7 @@ class Store:
                 "finished_at": task.finished_at or task.created_at,
                 "dead_reason_type": reason.type if reason else "rdq.Unknown",
                 "dead_reason_message": reason.message if reason else "", "dlq_topic": topic,
-                "dlq_partition": partition, "dlq_offset": offset,
+                "dlq_partition": partition, "dlq_offset": offset, **home_params(home or task.home),
             })  # fmt: skip
             for seq, attempt in enumerate(task.attempts, start=1):
                 conn.execute(q("insert_attempt_copy"), {**attempt.params(task.id), "seq": seq})
@@ -638,7 +639,8 @@ class Store:
 
     async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
                        until: int | None = None, limit: int = 1000) -> list[str]:
-        params = {"queue": queue, "error_type": error_type, "since": since, "until": until, "limit": limit}
+        params = {"queue": queue, "error_type": error_type, "since": since, "until": until, "limit": limit,
+                  "scoped": self.scoped}
         rows = await self._scan(lambda c: c.execute(q("dead_tasks_filtered"), params).fetchall())
         return [r[0] for r in rows]
 

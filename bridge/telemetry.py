@@ -60,6 +60,19 @@ class Metrics:
         self.threads_stuck = Gauge("rdq_handler_threads_stuck", "Sync handler threads still running a call that "
                                    "was abandoned (lease lost, silent, timed out)", ["queue"], registry=r)
         self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
+        # The changelog (SPEC §10), per source partition ("topic/partition").
+        self.changelog_unlogged = Gauge("rdq_changelog_lag", "Task transitions stored here but not yet acknowledged "
+                                        "by the changelog", registry=r)
+        self.changelog_commits = Counter("rdq_changelog_transactions", "Changelog transactions, by result",
+                                         ["result"], registry=r)
+        self.changelog_unreadable = Gauge("rdq_changelog_unreadable", "Changelog records this bridge could not "
+                                          "read (kept in the store, see `rdq stats`)", ["partition"], registry=r)
+        self.restoring = Gauge("rdq_partition_restoring", "1 while a source partition's tasks are restored from "
+                               "its changelog (not consumed meanwhile)", ["partition"], registry=r)
+        self.restored_tasks = Gauge("rdq_partition_restored_tasks", "Tasks restored at the last assignment",
+                                    ["partition"], registry=r)
+        self.restore_seconds = Gauge("rdq_partition_restore_seconds", "Duration of the last restore",
+                                     ["partition"], registry=r)
         self._error_types: dict[str, set[str]] = {}
         # Label children resolved once: the per-record path skips prometheus' label lookup.
         self._attempt_children: dict[tuple[str, Outcome], tuple[Any, Any]] = {}

@@ -19,7 +19,7 @@ import handlers  # noqa: F401 - the example handlers
 from bridge.config import BridgeConfig, parse_config
 from bridge.kafka_clients import ensure_topics
 from bridge.registry import REGISTRY, Registry
-from bridge.service import Bridge
+from bridge.service import Bridge, open_bridge
 from bridge.store import Store
 
 Headers = list[tuple[str, bytes]]
@@ -193,8 +193,8 @@ def b64(data: str) -> bytes:
 async def running_bridge(config: BridgeConfig, registry: Registry | None = None, instance_id: str = "test-bridge",
                          telemetry: Any = None) -> AsyncIterator[Bridge]:
     ensure_topics(config)
-    store = await Store.open(config.store.path)
-    bridge = Bridge(config, store, registry or REGISTRY, instance_id=instance_id, telemetry=telemetry)
+    bridge = await open_bridge(config, registry or REGISTRY, instance_id=instance_id, telemetry=telemetry)
+    store = bridge.store
     stop = asyncio.Event()
     runner = asyncio.create_task(bridge.run(stop))
     try:

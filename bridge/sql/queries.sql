@@ -5,10 +5,10 @@
 -- A source record that already has a task here (redelivered after a crash) is not stored twice.
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
-                   dead_reason_type, dead_reason_message, dlq_state, source_ref)
+                   dead_reason_type, dead_reason_message, dlq_state, source_ref, home_topic, home_partition)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status,
         :attempt_count, 0, :next_attempt_at, :created_at, :created_at, :finished_at,
-        :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref)
+        :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref, :home_topic, :home_partition)
 ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
 
 -- name: insert_first_attempt
@@ -29,9 +29,11 @@ VALUES (:task_id, (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE task_id 
 -- name: claim_due
 UPDATE tasks
    SET status = 'IN_FLIGHT', attempt_count = attempt_count + 1, lease_token = lease_token + 1,
-       lease_expires_at = :now + :lease_ms, lease_owner = :owner, lease_started_at = :now
+       lease_expires_at = :now + :lease_ms, lease_owner = :owner, lease_started_at = :now,
+       version = version + 1
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status = 'PENDING' AND next_attempt_at <= :now
+                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
                ORDER BY next_attempt_at LIMIT :limit)
 RETURNING *;
 
@@ -44,7 +46,7 @@ UPDATE tasks SET lease_expires_at = :now + :lease_ms
 
 -- name: finish_success
 UPDATE tasks
-   SET status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
 RETURNING attempt_count, redrive_count;
@@ -55,7 +57,7 @@ RETURNING attempt_count, redrive_count;
 -- negative or a future token changes nothing. (The current holder's own token goes through finish_success.)
 -- From PENDING it is one more attempt; from IN_FLIGHT it takes the current holder's attempt number.
 UPDATE tasks
-   SET attempt_count = attempt_count + (status = 'PENDING'),
+   SET version = version + 1, attempt_count = attempt_count + (status = 'PENDING'),
        status = 'SUCCEEDED', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now
  WHERE id = :id AND status IN ('PENDING', 'IN_FLIGHT') AND :token >= 1 AND :token <= lease_token
@@ -63,14 +65,14 @@ RETURNING attempt_count, redrive_count;
 
 -- name: reschedule
 UPDATE tasks
-   SET status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
 RETURNING attempt_count, redrive_count;
 
 -- name: finish_dead
 UPDATE tasks
-   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now, dead_reason_type = :reason_type,
        dead_reason_message = :reason_message, dlq_state = 'PENDING'
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
@@ -79,25 +81,25 @@ RETURNING attempt_count, redrive_count;
 -- name: release_lease
 -- Graceful stop hands the task back at once; the interrupted run does not count as an attempt.
 UPDATE tasks
-   SET status = 'PENDING', next_attempt_at = :now, attempt_count = attempt_count - 1,
+   SET version = version + 1, status = 'PENDING', next_attempt_at = :now, attempt_count = attempt_count - 1,
        lease_expires_at = NULL, lease_owner = NULL, lease_started_at = NULL
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT';
 
 -- name: lapsed_leases
 SELECT id, queue, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner, lease_expires_at
-  FROM tasks WHERE status = 'IN_FLIGHT' AND lease_expires_at <= :now
+  FROM tasks WHERE status = 'IN_FLIGHT' AND lease_expires_at <= :now AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
  ORDER BY lease_expires_at LIMIT :limit;
 
 -- name: expire_lease_reschedule
 -- A lapsed lease (sweep), or with :any_time a lease whose holder is known gone (its worker's socket dropped).
 UPDATE tasks
-   SET status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND (:any_time OR lease_expires_at <= :now);
 
 -- name: expire_lease_dead
 UPDATE tasks
-   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now, dead_reason_type = :reason_type,
        dead_reason_message = :reason_message, dlq_state = 'PENDING'
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND (:any_time OR lease_expires_at <= :now);
@@ -106,11 +108,12 @@ UPDATE tasks
 SELECT id, status, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner
   FROM tasks
  WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT') AND life_started_at < :cutoff
+   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
  LIMIT :limit;
 
 -- name: time_out_task
 UPDATE tasks
-   SET status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
+   SET version = version + 1, status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
        lease_started_at = NULL, finished_at = :now, dead_reason_type = 'rdq.Timeout',
        dead_reason_message = :reason_message, dlq_state = 'PENDING'
  WHERE id = :id AND status = :status AND lease_token = :token AND life_started_at < :cutoff;
@@ -120,20 +123,23 @@ UPDATE tasks
 DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD') AND finished_at < :cutoff
+                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
                LIMIT :limit)
    AND dlq_state IS NOT 'PENDING'
-RETURNING id;
+RETURNING id, home_topic, home_partition;
 
 -- name: purge_fetched
 DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
-               WHERE queue = :queue AND fetched_at IS NOT NULL AND fetched_at < :cutoff LIMIT :limit)
+               WHERE queue = :queue AND fetched_at IS NOT NULL AND fetched_at < :cutoff
+                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active')) LIMIT :limit)
    AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
-RETURNING id;
+RETURNING id, home_topic, home_partition;
 
 -- name: purge_task
 DELETE FROM tasks WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
-RETURNING id;
+   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+RETURNING id, home_topic, home_partition;
 
 -- name: delete_attempts
 DELETE FROM attempts WHERE task_id = :id;
@@ -142,16 +148,16 @@ DELETE FROM attempts WHERE task_id = :id;
 DELETE FROM redrives WHERE task_id = :id;
 
 -- name: mark_fetched
-UPDATE tasks SET fetched_at = :now
+UPDATE tasks SET version = version + 1, fetched_at = :now
  WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND fetched_at IS NULL;
 
 -- name: redrive
 UPDATE tasks
-   SET status = 'PENDING', attempt_count = 0, redrive_count = redrive_count + 1, next_attempt_at = :now,
+   SET version = version + 1, status = 'PENDING', attempt_count = 0, redrive_count = redrive_count + 1, next_attempt_at = :now,
        life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
        dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL,
        dlq_failures = 0, dlq_next_at = NULL, dlq_error = NULL
- WHERE id = :id AND status = 'DEAD'
+ WHERE id = :id AND status = 'DEAD' AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
 RETURNING redrive_count;
 
 -- name: insert_redrive
@@ -162,6 +168,7 @@ VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
 -- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
 SELECT * FROM tasks
  WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND COALESCE(dlq_next_at, 0) <= :now
+   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
  ORDER BY COALESCE(dlq_next_at, 0), finished_at LIMIT :limit;
 
 -- name: dlq_publish_failed
@@ -180,8 +187,11 @@ SELECT value FROM secrets WHERE name = :name;
 INSERT INTO secrets (name, value) VALUES (:name, :value) ON CONFLICT (name) DO NOTHING;
 
 -- name: mark_dlq_published
+-- With :logged, the DLQ record and this state's changelog record went out in one Kafka transaction.
 UPDATE tasks
-   SET dlq_state = 'PUBLISHED', dlq_topic = :topic, dlq_partition = :partition, dlq_offset = :offset,
+   SET version = version + 1,
+       logged_version = CASE WHEN :logged AND logged_version = version THEN version + 1 ELSE logged_version END,
+       dlq_state = 'PUBLISHED', dlq_topic = :topic, dlq_partition = :partition, dlq_offset = :offset,
        fetched_at = COALESCE(fetched_at, :now), dlq_next_at = NULL, dlq_error = NULL
  WHERE id = :id AND status = 'DEAD' AND dlq_state = 'PENDING' AND redrive_count = :redrive_count;
 
@@ -201,7 +211,7 @@ SELECT * FROM tasks
 
 -- name: dead_tasks_filtered
 SELECT id FROM tasks
- WHERE queue = :queue AND status = 'DEAD'
+ WHERE queue = :queue AND status = 'DEAD' AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
    AND (:error_type IS NULL OR dead_reason_type = :error_type)
    AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
  ORDER BY finished_at LIMIT :limit;
@@ -264,22 +274,107 @@ DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD')
                  AND (:status IS NULL OR status = :status) AND (:before IS NULL OR finished_at < :before)
+                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
                LIMIT :limit)
    AND dlq_state IS NOT 'PENDING'
-RETURNING id;
+RETURNING id, home_topic, home_partition;
 
 -- name: insert_task_copy
 -- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept.
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
                    dead_reason_type, dead_reason_message, dlq_state, dlq_topic, dlq_partition, dlq_offset,
-                   source_ref)
+                   source_ref, home_topic, home_partition)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, 'DEAD',
         :attempt_count, :redrive_count, NULL, :created_at, :created_at, :finished_at,
-        :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL);
+        :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL,
+        :home_topic, :home_partition);
 
 -- name: insert_attempt_copy
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
                       error_type, error_message, error_stack, worker, late_result_of)
 VALUES (:task_id, :seq, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
         :error_type, :error_message, :error_stack, :worker, :late_result_of);
+
+-- ---- the changelog (SPEC §10) ----------------------------------------------------------------------------
+
+-- name: changelog_outbox
+-- Transitions the changelog has not acknowledged yet, of the homes this instance owns.
+SELECT * FROM tasks
+ WHERE version > logged_version
+   AND EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition)
+ LIMIT :limit;
+
+-- name: changelog_logged
+UPDATE tasks SET logged_version = :version WHERE id = :id AND logged_version < :version;
+
+-- name: changelog_unlogged_of
+SELECT id FROM tasks WHERE id = :id AND version > logged_version;
+
+-- name: tombstone_add
+INSERT INTO tombstones (task_id, home_topic, home_partition) VALUES (:id, :home_topic, :home_partition)
+ON CONFLICT (task_id) DO NOTHING;
+
+-- name: tombstones_due
+SELECT task_id, home_topic, home_partition FROM tombstones t
+ WHERE EXISTS (SELECT 1 FROM homes h WHERE h.topic = t.home_topic AND h.partition = t.home_partition)
+ LIMIT :limit;
+
+-- name: tombstone_done
+DELETE FROM tombstones WHERE task_id = :id;
+
+-- name: home_activate
+INSERT INTO homes (topic, partition, state) VALUES (:topic, :partition, 'active')
+ON CONFLICT (topic, partition) DO UPDATE SET state = 'active';
+
+-- name: home_leaving
+UPDATE homes SET state = 'leaving' WHERE topic = :topic AND partition = :partition;
+
+-- name: home_deactivate
+DELETE FROM homes WHERE topic = :topic AND partition = :partition;
+
+-- name: homes_clear
+DELETE FROM homes;
+
+-- name: home_drop_tasks
+-- The partition went to another instance, its changelog flushed: this file no longer holds its tasks.
+DELETE FROM tasks WHERE home_topic = :topic AND home_partition = :partition RETURNING id;
+
+-- name: home_drop_tombstones
+DELETE FROM tombstones WHERE home_topic = :topic AND home_partition = :partition;
+
+-- name: home_task_ids
+SELECT id, logged_version FROM tasks WHERE home_topic = :topic AND home_partition = :partition;
+
+-- name: homes_present
+SELECT DISTINCT home_topic, home_partition FROM tasks WHERE home_topic IS NOT NULL;
+
+-- name: restore_delete_source_twin
+-- The changelog wins: a local task for the same source record under another id gives way.
+DELETE FROM tasks WHERE source_ref = :source_ref AND id != :id RETURNING id;
+
+-- name: delete_task
+DELETE FROM tasks WHERE id = :id;
+
+-- name: restore_task
+INSERT OR REPLACE INTO tasks (
+    id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
+    redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
+    life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
+    dlq_partition, dlq_offset, dlq_failures, source_ref, home_topic, home_partition, version, logged_version)
+VALUES (
+    :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status, :attempt_count,
+    :redrive_count, :next_attempt_at, :lease_expires_at, :lease_token, :lease_owner, :lease_started_at, :created_at,
+    :life_started_at, :finished_at, :fetched_at, :dead_reason_type, :dead_reason_message, :dlq_state, :dlq_topic,
+    :dlq_partition, :dlq_offset, 0, :source_ref, :home_topic, :home_partition, :version, :version);
+
+-- name: restore_insert_redrive
+INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
+VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
+
+-- name: unreadable_add
+INSERT INTO changelog_unreadable (topic, partition, offset, key, value, error, seen_at)
+VALUES (:topic, :partition, :offset, :key, :value, :error, :now) ON CONFLICT DO NOTHING;
+
+-- name: unreadable_count
+SELECT topic, partition, COUNT(*) AS n FROM changelog_unreadable GROUP BY topic, partition;

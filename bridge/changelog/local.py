@@ -1,0 +1,193 @@
+"""The SQLite side of the changelog: the outbox of unlogged transitions, the homes this instance owns, restore.
+
+Every method is one store operation (group-committed like the others); encoding and decoding run on the store's
+connection thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from bridge.changelog.codec import Unreadable, decode, encode
+from bridge.queries import q
+from bridge.store import Store
+
+Home = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One record for the changelog: a task's state at `version`, or (value None) a tombstone."""
+
+    task_id: str
+    home: Home
+    version: int
+    value: bytes | None
+
+
+@dataclass
+class RestoreBatch:
+    applied: int = 0
+    unreadable: int = 0
+    tombstones: int = 0
+
+
+class LocalIndex:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # ---- writing side ----------------------------------------------------------------------------------
+
+    async def outbox(self, limit: int, exclude: frozenset[str] = frozenset()) -> list[Entry]:
+        def read(conn: sqlite3.Connection) -> list[Entry]:
+            rows = conn.execute(q("changelog_outbox"), {"limit": limit}).fetchall()
+            return [self._entry(conn, row) for row in rows if row["id"] not in exclude]
+
+        return await self.store._read(read)
+
+    async def snapshot_published(self, task_id: str, topic: str, partition: int, offset: int,
+                                 now: int) -> Entry | None:
+        """The state a DLQ publish leads to (what `mark_dlq_published` will write), for the same transaction."""
+
+        def read(conn: sqlite3.Connection) -> Entry | None:
+            row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
+            if row is None or row["home_topic"] is None:
+                return None
+            published = {"dlq_state": "PUBLISHED", "dlq_topic": topic, "dlq_partition": partition,
+                         "dlq_offset": offset, "fetched_at": row["fetched_at"] or now}
+            return self._entry(conn, row, row["version"] + 1, published)
+
+        return await self.store._read(read)
+
+    @staticmethod
+    def _entry(conn: sqlite3.Connection, row: sqlite3.Row, version: int | None = None,
+               overrides: dict[str, Any] | None = None) -> Entry:
+        attempts = conn.execute(q("get_attempts"), {"id": row["id"]}).fetchall()
+        redrives = conn.execute(q("get_redrives"), {"id": row["id"]}).fetchall()
+        version = row["version"] if version is None else version
+        value = encode(row, attempts, redrives, version, overrides)
+        return Entry(row["id"], (row["home_topic"], row["home_partition"]), version, value)
+
+    async def tombstones(self, limit: int) -> list[Entry]:
+        rows = await self.store._read(lambda c: c.execute(q("tombstones_due"), {"limit": limit}).fetchall())
+        return [Entry(r[0], (r[1], r[2]), 0, None) for r in rows]
+
+    async def mark_logged(self, entries: Iterable[Entry]) -> None:
+        tasks = [{"id": e.task_id, "version": e.version} for e in entries if e.value is not None]
+        gone = [{"id": e.task_id} for e in entries if e.value is None]
+
+        def apply(conn: sqlite3.Connection) -> None:
+            conn.executemany(q("changelog_logged"), tasks)
+            conn.executemany(q("tombstone_done"), gone)
+
+        await self.store._submit(apply)
+
+    async def unlogged(self, ids: Iterable[str]) -> set[str]:
+        """Of these tasks, those with a transition the changelog has not acknowledged."""
+        wanted = list(ids)
+
+        def read(conn: sqlite3.Connection) -> set[str]:
+            return {i for i in wanted if conn.execute(q("changelog_unlogged_of"), {"id": i}).fetchone()}
+
+        return await self.store._read(read)
+
+    # ---- homes -----------------------------------------------------------------------------------------
+
+    async def set_home(self, home: Home, state: str | None) -> None:
+        """'active', 'leaving', or None: not this instance's."""
+        query = {"active": "home_activate", "leaving": "home_leaving", None: "home_deactivate"}[state]
+        params = {"topic": home[0], "partition": home[1]}
+        await self.store._submit(lambda c: c.execute(q(query), params))
+
+    async def drop_home(self, home: Home) -> int:
+        """Remove a partition's tasks from this file (its changelog holds them; the new owner restores them)."""
+        params = {"topic": home[0], "partition": home[1]}
+
+        def apply(conn: sqlite3.Connection) -> int:
+            conn.execute(q("home_deactivate"), params)
+            conn.execute(q("home_drop_tombstones"), params)
+            ids = [r[0] for r in conn.execute(q("home_drop_tasks"), params).fetchall()]
+            for task_id in ids:
+                conn.execute(q("delete_attempts"), {"id": task_id})
+                conn.execute(q("delete_redrives"), {"id": task_id})
+            return len(ids)
+
+        return await self.store._submit(apply)
+
+    async def homes_present(self) -> set[Home]:
+        rows = await self.store._read(lambda c: c.execute(q("homes_present")).fetchall())
+        return {(r[0], r[1]) for r in rows}
+
+    # ---- restore ---------------------------------------------------------------------------------------
+
+    async def restore_batch(self, home: Home, changelog_topic: str,
+                            records: list[tuple[int, bytes | None, bytes | None]], seen: set[str], now: int,
+                            errors: list[str]) -> RestoreBatch:
+        """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
+        is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore."""
+        result = RestoreBatch()
+
+        def apply(conn: sqlite3.Connection) -> RestoreBatch:
+            for offset, key, value in records:
+                if value is None:
+                    task_id = (key or b"").decode("utf-8", "replace")
+                    self._delete(conn, task_id)
+                    seen.discard(task_id)
+                    result.tombstones += 1
+                    continue
+                try:
+                    restored = decode(key, value)
+                except Unreadable as e:
+                    conn.execute(q("unreadable_add"), {"topic": changelog_topic, "partition": home[1],
+                                                       "offset": offset, "key": key, "value": value,
+                                                       "error": str(e), "now": now})
+                    errors.append(f"{changelog_topic}/{home[1]}/{offset}: {e}")
+                    result.unreadable += 1
+                    continue
+                self._upsert(conn, restored.task, restored.attempts, restored.redrives, restored.version)
+                seen.add(restored.task["id"])
+                result.applied += 1
+            return result
+
+        return await self.store._submit(apply)
+
+    def _upsert(self, conn: sqlite3.Connection, task: dict[str, Any], attempts: list[dict[str, Any]],
+                redrives: list[dict[str, Any]], version: int) -> None:
+        if task["source_ref"] is not None:
+            for (twin,) in conn.execute(q("restore_delete_source_twin"), task).fetchall():
+                self._delete_history(conn, twin)
+        conn.execute(q("restore_task"), {**task, "version": version})
+        self._delete_history(conn, task["id"])
+        conn.executemany(q("insert_attempt_copy"), attempts)
+        conn.executemany(q("restore_insert_redrive"), redrives)
+
+    @staticmethod
+    def _delete_history(conn: sqlite3.Connection, task_id: str) -> None:
+        conn.execute(q("delete_attempts"), {"id": task_id})
+        conn.execute(q("delete_redrives"), {"id": task_id})
+
+    def _delete(self, conn: sqlite3.Connection, task_id: str) -> None:
+        conn.execute(q("delete_task"), {"id": task_id})
+        self._delete_history(conn, task_id)
+
+    async def restore_finish(self, home: Home, seen: set[str]) -> int:
+        """After a restore from the beginning: a task the changelog had logged but no longer holds was purged
+        (its tombstone compacted away): it goes. A task never logged stays, to be logged now (a first start with
+        the changelog on; or written just before a crash, its source offset not committed)."""
+        params = {"topic": home[0], "partition": home[1]}
+
+        def apply(conn: sqlite3.Connection) -> int:
+            gone = [r[0] for r in conn.execute(q("home_task_ids"), params).fetchall()
+                    if r[0] not in seen and r[1] > 0]
+            for task_id in gone:
+                self._delete(conn, task_id)
+            return len(gone)
+
+        return await self.store._submit(apply)
+
+    async def unreadable_counts(self) -> dict[str, int]:
+        rows = await self.store._scan(lambda c: c.execute(q("unreadable_count")).fetchall())
+        return {f"{r[0]}/{r[1]}": r[2] for r in rows}

@@ -1,0 +1,313 @@
+"""The changelog writer (SPEC §10): one Kafka transaction per round carries, atomically,
+
+- the DLQ records due (SPEC §5.3) and, for each, its task's changelog record marked published;
+- every task transition stored in SQLite and not yet in the changelog (the outbox: version > logged_version);
+- tombstones of purged tasks;
+- the source offsets of the partitions this instance owns, through `send_offsets_to_transaction` with the
+  consumer's group metadata (KIP-447).
+
+So "task durable in Kafka" and "source offset committed" are one step, a DLQ record is never published twice
+(its "published" mark commits with it), and a zombie — an instance that lost its partitions without noticing —
+cannot write: its group generation is stale, the coordinator refuses its offsets and the transaction aborts.
+
+Every producer call runs on one dedicated thread; SQLite reads and marks go through the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+
+from bridge.changelog.local import Entry, Home, LocalIndex
+from bridge.clock import Clock
+from bridge.store import StoreError
+from bridge.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+_BATCH = 5000  # outbox rows per transaction
+_DLQ_BATCH = 500
+_FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
+           KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
+Delivered = Callable[[Any, "DeliveredRecord | None"], None]
+
+
+@dataclass(frozen=True)
+class DeliveredRecord:
+    """What a DLQ publisher is told once its record's transaction committed (the shape of a Kafka message)."""
+
+    _topic: str
+    _partition: int
+    _offset: int
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+
+@dataclass
+class _DlqItem:
+    task_id: str
+    home: Home | None
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes | None]]
+    on_delivery: Delivered
+    delivered: tuple[int, int] | None = None  # (partition, offset) once the broker took it
+    error: str | None = None
+
+
+@dataclass
+class _Round:
+    dlq: list[_DlqItem] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
+    dlq_entries: list[Entry] = field(default_factory=list)
+    offsets: dict[Home, int] = field(default_factory=dict)
+
+
+class ChangelogWriter:
+    def __init__(self, local: LocalIndex, topics: dict[str, str], producer_factory: Callable[[], Producer],
+                 offsets: Callable[[], dict[Home, int]], group_metadata: Callable[[], Any | None], clock: Clock,
+                 interval: float = 0.1, telemetry: Telemetry | None = None) -> None:
+        self.local = local
+        self.topics = topics  # source topic → changelog topic
+        self.clock = clock
+        self.interval = interval
+        self.telemetry = telemetry or Telemetry()
+        self._producer_factory = producer_factory
+        self._offsets = offsets
+        self._group_metadata = group_metadata
+        self._producer: Producer | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-changelog")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dlq: list[_DlqItem] = []
+        self._waiters: dict[str, list[Callable[[], None]]] = {}
+        self._last_offsets: dict[Home, int] = {}
+        self._round_lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self.ready = asyncio.Event()  # the transactional producer is initialised
+        self.healthy = True
+        self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
+
+    # ---- what the rest of the bridge asks ------------------------------------------------------------------
+
+    def when_logged(self, task_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the loop) once the task's stored state is in the changelog (or it is gone)."""
+        self._waiters.setdefault(task_id, []).append(callback)
+
+    def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
+                    headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
+        """Queue a DLQ record for the next transaction; `on_delivery(err, msg)` once it committed (or failed)."""
+        self._dlq.append(_DlqItem(task_id, home, topic, key, value, headers, on_delivery))
+        self._kick.set()
+
+    async def flush(self) -> bool:
+        """One round now (a revoke, a stop): True if it committed and nothing of this instance stays unlogged."""
+        if self._producer is None:
+            return False
+        ok = await self._one_round()
+        return ok and not await self.local.outbox(1)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._thread, fn, *args)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._start_producer(stop)
+        # Returns on stop; the producer and its thread stay for the consumer's last hand-over (close() after).
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.interval)
+            self._kick.clear()
+            if not await self._one_round():
+                await asyncio.sleep(min(1.0, self.interval * 5))
+
+    async def close(self) -> None:
+        """After the consumer's last flush: one more round (late marks), then the thread goes."""
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self._one_round()
+        self._thread.shutdown(wait=False)
+
+    async def _start_producer(self, stop: asyncio.Event) -> None:
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                producer = self._producer_factory()
+                await self._call(producer.init_transactions, 30.0)
+                self._producer = producer
+                self.ready.set()
+                return
+            except KafkaException as e:
+                log.warning("changelog producer cannot start its transactions yet (retrying): %s", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _one_round(self) -> bool:
+        async with self._round_lock:
+            try:
+                return await self._round()
+            except StoreError as e:
+                log.error("changelog round failed on the store (retrying): %s", e)
+                return False
+
+    async def _round(self) -> bool:
+        offsets = self._offsets()
+        dlq, self._dlq = self._dlq[:_DLQ_BATCH], self._dlq[_DLQ_BATCH:]
+        entries = await self.local.outbox(_BATCH, exclude=frozenset(i.task_id for i in dlq))
+        entries += await self.local.tombstones(_BATCH)
+        self.telemetry.metrics.changelog_unlogged.set(len(entries))
+        if not dlq and not entries and offsets == self._last_offsets:
+            await self._resolve_waiters(set())
+            return True
+        work = _Round(dlq, entries, offsets=offsets)
+        ok = await self._transaction(work)
+        if len(entries) >= _BATCH or self._dlq:
+            self._kick.set()  # more waits: the next round at once
+        return ok
+
+    async def _transaction(self, work: _Round) -> bool:
+        assert self._producer is not None
+        try:
+            await self._call(self._begin_and_send_dlq, work.dlq)
+            for item in work.dlq:
+                if item.delivered is not None and item.home is not None:
+                    entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
+                                                                self.clock.now_ms())
+                    if entry is not None:
+                        work.dlq_entries.append(entry)
+            await self._call(self._send_and_commit, work)
+        except KafkaException as e:
+            refused = [i for i in work.dlq if i.error is not None]
+            if refused:
+                # One DLQ record the broker refuses (too large, no such topic) must not hold the others: it
+                # waits for its own retry; the rest go again in the next round.
+                work.dlq, self._dlq = refused, [*(i for i in work.dlq if i.error is None), *self._dlq]
+                for item in self._dlq:
+                    item.delivered = None
+                self._kick.set()
+            await self._failed(work, e.args[0] if e.args else e)
+            return False
+        await self._committed(work)
+        return True
+
+    def _begin_and_send_dlq(self, items: list[_DlqItem]) -> None:
+        assert self._producer is not None
+        self._producer.begin_transaction()
+        for item in items:
+            self._producer.produce(item.topic, value=item.value, key=item.key, headers=item.headers,  # type: ignore[arg-type]
+                                   on_delivery=partial(self._dlq_report, item))
+        if items:
+            self._producer.flush()  # their offsets go into the tasks' "published" changelog records
+            failed = [i for i in items if i.error is not None]
+            if failed:
+                raise KafkaException(KafkaError(KafkaError._FAIL, f"{len(failed)} DLQ records were refused: "
+                                                                   f"{failed[0].error}"))
+
+    @staticmethod
+    def _dlq_report(item: _DlqItem, err: Any, msg: Any) -> None:
+        if err is not None:
+            item.error = str(err)
+        else:
+            item.delivered = (msg.partition(), msg.offset())
+
+    def _send_and_commit(self, work: _Round) -> None:
+        assert self._producer is not None
+        for entry in [*work.dlq_entries, *work.entries]:
+            topic = self.topics.get(entry.home[0])
+            if topic is None:
+                continue  # a home outside this config's sources: never active, cannot happen
+            self._producer.produce(topic, key=entry.task_id.encode(), value=entry.value, partition=entry.home[1])
+        metadata = self._group_metadata()
+        if work.offsets and metadata is not None:
+            offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
+            self._producer.send_offsets_to_transaction(offsets, metadata, 30.0)
+        self._producer.commit_transaction(30.0)
+
+    async def _committed(self, work: _Round) -> None:
+        self.stats["transactions"] += 1
+        self.stats["records"] += len(work.entries) + len(work.dlq_entries) + len(work.dlq)
+        self.telemetry.metrics.changelog_commits.labels("committed").inc()
+        self._last_offsets = work.offsets
+        self.healthy = True
+        # The DLQ tasks' states before the published mark are covered by it (same record, one version later).
+        before_publish = [Entry(e.task_id, e.home, e.version - 1, b"") for e in work.dlq_entries]
+        await self._mark(work.entries + before_publish)
+        for item in work.dlq:
+            assert item.delivered is not None
+            item.on_delivery(None, DeliveredRecord(item.topic, *item.delivered))
+        await self._resolve_waiters({e.task_id for e in work.entries})
+
+    async def _mark(self, entries: list[Entry]) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.local.mark_logged(entries)
+                return
+            except StoreError as e:  # logged but not marked: written again next round (harmless, same state)
+                log.warning("cannot mark changelog records as logged yet (retrying): %s", e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                if delay >= 5.0:
+                    return
+
+    async def _failed(self, work: _Round, error: Any) -> None:
+        self.healthy = False
+        code = error.code() if isinstance(error, KafkaError) else None
+        fenced = code in _FENCED
+        self.stats["aborted"] += 1
+        self.telemetry.metrics.changelog_commits.labels("fenced" if fenced else "aborted").inc()
+        if fenced:
+            self.stats["fenced"] += 1
+            log.warning("changelog transaction refused: this instance's group generation is stale (its partitions "
+                        "moved); nothing of it was written: %s", error)
+        else:
+            log.error("changelog transaction failed (retried; offsets do not move meanwhile): %s", error)
+        await self._abort_or_restart(error)
+        for item in work.dlq:
+            item.on_delivery(item.error or str(error), None)
+
+    async def _abort_or_restart(self, error: Any) -> None:
+        assert self._producer is not None
+        fatal = isinstance(error, KafkaError) and error.fatal()
+        if not fatal:
+            try:
+                await self._call(self._producer.abort_transaction, 30.0)
+                return
+            except KafkaException as e:
+                if not e.args[0].fatal():
+                    log.warning("changelog abort failed (retried with the next round): %s", e)
+                    return
+        log.warning("changelog producer hit a fatal error; starting a new one: %s", error)
+        self._producer = None
+        self.ready.clear()
+        stop = asyncio.Event()
+        await self._start_producer(stop)
+
+    async def _resolve_waiters(self, logged: set[str]) -> None:
+        if not self._waiters:
+            return
+        done = [i for i in self._waiters if i in logged]
+        rest = [i for i in self._waiters if i not in logged]
+        if rest:
+            still = await self.local.unlogged(rest)
+            done += [i for i in rest if i not in still]
+        for task_id in done:
+            for callback in self._waiters.pop(task_id, []):
+                callback()
