@@ -250,6 +250,11 @@ class DlqPublisher:
                 log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
                             extra={"task_id": task.id, "queue": task.queue})
             if self.changelog is not None:
+                if record.size > limit:
+                    # Refused here, not by the broker: a refused record would abort the whole transaction (and
+                    # stall it until the producer's message timeout).
+                    raise ValueError(f"MSG_SIZE_TOO_LARGE: {record.size} bytes even trimmed, over the {limit} "
+                                     f"bytes {topic} takes (the payload is never trimmed)")
                 self.changelog.produce_dlq(task.id, task.home, topic, record.key, record.value, record.headers,
                                            partial(self._on_delivery, task))
                 return

@@ -168,6 +168,8 @@ async def open_bridge(config: BridgeConfig, registry: Registry, config_path: Pat
         if config.store.max_size_mb is not None:
             await store.limit_size(int(config.store.max_size_mb * 2**20))
         topics = await changelog_topics(config, stop or asyncio.Event()) if config.store.changelog else None
+        if topics is not None:
+            await LocalIndex(store).set_changelogged(topics)
     except BaseException:
         await store.close()
         raise

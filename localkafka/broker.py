@@ -119,6 +119,10 @@ class LocalBroker:
             "offsets.topic.num.partitions": "4",
             "transaction.state.log.replication.factor": "1",
             "transaction.state.log.min.isr": "1",
+            # The bridge's changelog writes in transactions: a small coordinator topic starts fast on one broker,
+            # and a crashed producer's open transaction is aborted within ~1 s of its timeout (default 10 s).
+            "transaction.state.log.num.partitions": "4",
+            "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",

@@ -96,6 +96,16 @@ class LocalIndex:
 
     # ---- homes -----------------------------------------------------------------------------------------
 
+    async def set_changelogged(self, topics: Iterable[str]) -> None:
+        """The source topics with a changelog: their tasks are acted on only where their partition is active."""
+        params = [{"topic": t} for t in topics]
+
+        def apply(conn: sqlite3.Connection) -> None:
+            conn.execute(q("changelogged_clear"))
+            conn.executemany(q("changelogged_add"), params)
+
+        await self.store._submit(apply)
+
     async def set_home(self, home: Home, state: str | None) -> None:
         """'active', 'leaving', or None: not this instance's."""
         query = {"active": "home_activate", "leaving": "home_leaving", None: "home_deactivate"}[state]

@@ -36,6 +36,7 @@ _BATCH = 5000  # outbox rows per transaction
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
+_COLLATERAL = {KafkaError._MSG_TIMED_OUT, KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
 Delivered = Callable[[Any, "DeliveredRecord | None"], None]
 
 
@@ -68,6 +69,7 @@ class _DlqItem:
     on_delivery: Delivered
     delivered: tuple[int, int] | None = None  # (partition, offset) once the broker took it
     error: str | None = None
+    collateral: bool = False
 
 
 @dataclass
@@ -194,13 +196,14 @@ class ChangelogWriter:
                         work.dlq_entries.append(entry)
             await self._call(self._send_and_commit, work)
         except KafkaException as e:
-            refused = [i for i in work.dlq if i.error is not None]
+            refused = [i for i in work.dlq if i.error is not None and not i.collateral]
             if refused:
                 # One DLQ record the broker refuses (too large, no such topic) must not hold the others: it
                 # waits for its own retry; the rest go again in the next round.
-                work.dlq, self._dlq = refused, [*(i for i in work.dlq if i.error is None), *self._dlq]
-                for item in self._dlq:
-                    item.delivered = None
+                again = [i for i in work.dlq if i.error is None or i.collateral]
+                work.dlq, self._dlq = refused, [*again, *self._dlq]
+                for item in again:
+                    item.delivered, item.error, item.collateral = None, None, False
                 self._kick.set()
             await self._failed(work, e.args[0] if e.args else e)
             return False
@@ -224,6 +227,8 @@ class ChangelogWriter:
     def _dlq_report(item: _DlqItem, err: Any, msg: Any) -> None:
         if err is not None:
             item.error = str(err)
+            # Failed only because another record of its batch was refused: not this record's fault.
+            item.collateral = err.code() in _COLLATERAL
         else:
             item.delivered = (msg.partition(), msg.offset())
 

@@ -33,7 +33,9 @@ UPDATE tasks
        version = version + 1
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status = 'PENDING' AND next_attempt_at <= :now
-                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+                 AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
                ORDER BY next_attempt_at LIMIT :limit)
 RETURNING *;
 
@@ -87,7 +89,9 @@ UPDATE tasks
 
 -- name: lapsed_leases
 SELECT id, queue, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner, lease_expires_at
-  FROM tasks WHERE status = 'IN_FLIGHT' AND lease_expires_at <= :now AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+  FROM tasks WHERE status = 'IN_FLIGHT' AND lease_expires_at <= :now AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
  ORDER BY lease_expires_at LIMIT :limit;
 
 -- name: expire_lease_reschedule
@@ -108,7 +112,9 @@ UPDATE tasks
 SELECT id, status, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner
   FROM tasks
  WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT') AND life_started_at < :cutoff
-   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+   AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
  LIMIT :limit;
 
 -- name: time_out_task
@@ -123,7 +129,9 @@ UPDATE tasks
 DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD') AND finished_at < :cutoff
-                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+                 AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
                LIMIT :limit)
    AND dlq_state IS NOT 'PENDING'
 RETURNING id, home_topic, home_partition;
@@ -132,13 +140,17 @@ RETURNING id, home_topic, home_partition;
 DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND fetched_at IS NOT NULL AND fetched_at < :cutoff
-                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active')) LIMIT :limit)
+                 AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active')) LIMIT :limit)
    AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
 RETURNING id, home_topic, home_partition;
 
 -- name: purge_task
 DELETE FROM tasks WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND dlq_state IS NOT 'PENDING'
-   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+   AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
 RETURNING id, home_topic, home_partition;
 
 -- name: delete_attempts
@@ -157,7 +169,9 @@ UPDATE tasks
        life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
        dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL,
        dlq_failures = 0, dlq_next_at = NULL, dlq_error = NULL
- WHERE id = :id AND status = 'DEAD' AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+ WHERE id = :id AND status = 'DEAD' AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
 RETURNING redrive_count;
 
 -- name: insert_redrive
@@ -168,7 +182,9 @@ VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
 -- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
 SELECT * FROM tasks
  WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND COALESCE(dlq_next_at, 0) <= :now
-   AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+   AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
  ORDER BY COALESCE(dlq_next_at, 0), finished_at LIMIT :limit;
 
 -- name: dlq_publish_failed
@@ -211,7 +227,9 @@ SELECT * FROM tasks
 
 -- name: dead_tasks_filtered
 SELECT id FROM tasks
- WHERE queue = :queue AND status = 'DEAD' AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+ WHERE queue = :queue AND status = 'DEAD' AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
    AND (:error_type IS NULL OR dead_reason_type = :error_type)
    AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
  ORDER BY finished_at LIMIT :limit;
@@ -274,7 +292,9 @@ DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD')
                  AND (:status IS NULL OR status = :status) AND (:before IS NULL OR finished_at < :before)
-                 AND (:scoped = 0 OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition AND h.state = 'active'))
+                 AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+      OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
+                  AND h.state = 'active'))
                LIMIT :limit)
    AND dlq_state IS NOT 'PENDING'
 RETURNING id, home_topic, home_partition;
@@ -335,6 +355,12 @@ DELETE FROM homes WHERE topic = :topic AND partition = :partition;
 
 -- name: homes_clear
 DELETE FROM homes;
+
+-- name: changelogged_clear
+DELETE FROM changelogged;
+
+-- name: changelogged_add
+INSERT INTO changelogged (topic) VALUES (:topic) ON CONFLICT DO NOTHING;
 
 -- name: home_drop_tasks
 -- The partition went to another instance, its changelog flushed: this file no longer holds its tasks.

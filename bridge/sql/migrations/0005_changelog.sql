@@ -29,6 +29,12 @@ CREATE TABLE homes (
     PRIMARY KEY (topic, partition)
 ) WITHOUT ROWID;
 
+-- The source topics that have a changelog in the running config (set at every start). A task whose home topic is
+-- not one (no rdq.source, or a topic this config no longer reads) stays in this file only, acted on here.
+CREATE TABLE changelogged (
+    topic TEXT PRIMARY KEY
+) WITHOUT ROWID;
+
 -- A purged task leaves a tombstone to write to its changelog partition.
 CREATE TABLE tombstones (
     task_id        TEXT PRIMARY KEY,
