@@ -57,11 +57,13 @@ class AdminCommands:
     """What each command does to this instance's store and engine."""
 
     def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None],
-                 owns: Callable[[str, int], bool] | None = None) -> None:
+                 owns: Callable[[str, int], bool] | None = None,
+                 changelog_status: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.engine = engine
         self.store = engine.store
         self.read_record = read_record  # (topic, partition, offset) → value, for redrive from a DLQ record
         self.owns = owns or (lambda topic, partition: False)  # is this source partition assigned here now?
+        self.changelog_status = changelog_status
 
     async def load_settings(self) -> None:
         """Persisted operator settings (pause, set-policy) apply from the start."""
@@ -207,7 +209,8 @@ class AdminCommands:
     async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
         return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),
                 "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names(),
-                "dlq_stuck": await self.store.dlq_stuck(), "threads_stuck": self.engine.threads.stuck()}
+                "dlq_stuck": await self.store.dlq_stuck(), "threads_stuck": self.engine.threads.stuck(),
+                **({"changelog": await self.changelog_status()} if self.changelog_status else {})}
 
 
 class AdminLoop:

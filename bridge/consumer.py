@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,7 +52,9 @@ class Changelog:
     """What the consumer needs of the changelog: restore on assign, the writer for offsets, hand-over on revoke."""
 
     def __init__(self, local: LocalIndex, writer: ChangelogWriter, restorer: Restorer,
-                 hand_over: Callable[[set[TP], float], Any], telemetry: Telemetry) -> None:
+                 hand_over: Callable[[set[TP], float], Any], telemetry: Telemetry,
+                 ensure_topics: Callable[[], Awaitable[dict[str, str]]] | None = None) -> None:
+        self.ensure_topics = ensure_topics  # creates or checks the changelogs of sources that appeared since
         self.local = local
         self.writer = writer
         self.restorer = restorer
@@ -94,6 +96,7 @@ class SourceConsumer:
         self._restoring: set[TP] = set()
         self._baseline: dict[TP, int] = {}  # committed offset found at assignment
         self._restores: set[asyncio.Task[None]] = set()
+        self._restored: dict[TP, dict[str, Any]] = {}  # the last restore of each partition: tasks, seconds
         self.stats = {"records": 0, "suspects": 0}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
@@ -121,6 +124,23 @@ class SourceConsumer:
     @property
     def restoring(self) -> set[TP]:
         return set(self._restoring)
+
+    async def changelog_status(self) -> dict[str, Any]:
+        """Per owned partition: open tasks, changelog lag, restore state and figures; unreadable records."""
+        if self.changelog is None:
+            return {}
+        local = self.changelog.local
+        known = await local.partitions_status()
+        partitions = {}
+        for tp in sorted(self._assigned | self._restoring):
+            label = f"{tp[0]}/{tp[1]}"
+            partitions[label] = {**known.get(label, {"open": 0, "changelog_lag": 0}),
+                                 "restoring": tp in self._restoring, **self._restored.get(tp, {})}
+        unreadable = await local.unreadable_counts()
+        for name, n in unreadable.items():
+            self.changelog.telemetry.metrics.changelog_unreadable.labels(name).set(n)
+        return {"partitions": partitions, "unreadable": unreadable,
+                "transactions": dict(self.changelog.writer.stats)}
 
     def group_metadata(self) -> Any | None:
         return None if self._consumer is None else self._consumer.consumer_group_metadata()
@@ -393,6 +413,11 @@ class SourceConsumer:
             except (RestoreFailed, KafkaException, StoreError) as e:
                 if tp not in self._restoring:
                     return
+                if tp[0] not in self.changelog.restorer.topics and self.changelog.ensure_topics is not None:
+                    with contextlib.suppress(Exception):  # the topic's check says why, in the next log line
+                        await self.changelog.ensure_topics()
+                    if tp[0] in self.changelog.restorer.topics:
+                        continue
                 log.error("cannot restore %s yet (it stays unready and unconsumed; retrying): %s", label, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -407,6 +432,10 @@ class SourceConsumer:
         metrics.restoring.labels(label).set(0)
         metrics.restored_tasks.labels(label).set(report.tasks)
         metrics.restore_seconds.labels(label).set(report.seconds)
+        self._restored[tp] = {"restored_tasks": report.tasks, "restore_seconds": round(report.seconds, 3),
+                              "unreadable": report.unreadable}
+        if report.unreadable:
+            await self.changelog_status()  # the unreadable gauge, now
         log.info("restored %s: %d tasks from %d changelog records in %.2fs (%d tombstones, %d unreadable, "
                  "%d local tasks the changelog no longer holds dropped)", label, report.tasks, report.records,
                  report.seconds, report.tombstones, report.unreadable, report.dropped)

@@ -28,7 +28,8 @@ _BROKER_TIMEOUT = 2.0
 class HealthServer:
     def __init__(self, telemetry: Telemetry, store: Store, admin_factory: Callable[[], AdminClient], host: str,
                  port: int, store_writable: Callable[[], bool] | None = None,
-                 queues: Callable[[], list[str]] | None = None) -> None:
+                 queues: Callable[[], list[str]] | None = None,
+                 restoring: Callable[[], set[str]] | None = None) -> None:
         self.telemetry = telemetry
         self.store = store
         self.host = host
@@ -36,6 +37,7 @@ class HealthServer:
         self._admin_factory = admin_factory
         self._store_writable = store_writable or (lambda: True)
         self._queues = queues or (lambda: [])
+        self._restoring = restoring or (lambda: set())  # partitions restoring from their changelog
         self.broker_ok = False
         self.bound_port: int | None = None
 
@@ -45,7 +47,7 @@ class HealthServer:
 
     @property
     def ready(self) -> bool:
-        return self.broker_ok and self.store_ok
+        return self.broker_ok and self.store_ok and not self._restoring()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.telemetry.metrics.registry)
@@ -55,7 +57,8 @@ class HealthServer:
         return web.json_response({"ok": True})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok}
+        body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok,
+                "restoring": sorted(self._restoring())}
         return web.Response(text=json.dumps(body), status=200 if self.ready else 503,
                             content_type="application/json")
 

@@ -46,7 +46,21 @@ def _stats(replies: list[dict[str, Any]]) -> str:
             rows.append([r["instance"], queue, *(counts.get(s, 0) for s in STATUSES),
                          "yes" if queue in result.get("paused", []) else "",
                          stuck_dlq.get(queue, {}).get("entries", "") or "", stuck_threads.get(queue, "") or ""])
-    return table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED", "DLQ-STUCK", "THREADS-STUCK"], rows)
+    out = table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED", "DLQ-STUCK", "THREADS-STUCK"], rows)
+    partitions = [[r["instance"], name, p.get("open", 0), p.get("changelog_lag", 0),
+                   "restoring" if p.get("restoring") else "ready", p.get("restored_tasks", ""),
+                   p.get("restore_seconds", ""), p.get("unreadable", "") or ""]
+                  for r in replies
+                  for name, p in sorted(r["result"].get("changelog", {}).get("partitions", {}).items())]
+    if partitions:
+        out += "\n\n" + table(["INSTANCE", "PARTITION", "OPEN", "CHANGELOG-LAG", "STATE", "RESTORED", "SECONDS",
+                                "UNREADABLE"], partitions)
+    unreadable = [[r["instance"], name, n] for r in replies
+                  for name, n in sorted(r["result"].get("changelog", {}).get("unreadable", {}).items())]
+    if unreadable:
+        out += "\n\n" + table(["INSTANCE", "CHANGELOG-PARTITION", "UNREADABLE-RECORDS (kept, see the store)"],
+                               unreadable)
+    return out
 
 
 def _list(replies: list[dict[str, Any]]) -> str:

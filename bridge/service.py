@@ -103,7 +103,8 @@ class Bridge:
         self.delivery.on_store_health = self.consumer.set_store_health
         self.admin: AdminLoop | None = None
         if config.admin is not None:
-            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns)
+            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns,
+                                     self.consumer.changelog_status if self.changelog is not None else None)
             self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
                                    lambda: make_admin_consumer(config, self.run_id),
                                    lambda: make_producer(config), self.engine.clock.now_ms)
@@ -116,7 +117,8 @@ class Bridge:
         if config.telemetry.port is not None:
             self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
                                        config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
-                                       queues=self.live.queue_names)
+                                       queues=self.live.queue_names,
+                                       restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring})
 
     def _changelog(self, config: BridgeConfig, store: Store, topics: dict[str, str]) -> Changelog:
         instance = self.engine.instance_id
@@ -131,7 +133,15 @@ class Bridge:
                                  lambda: self.consumer.group_metadata(), self.engine.clock,
                                  config.store.changelog_commit_interval, self.telemetry)
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock)
-        return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry)
+
+        async def ensure_topics() -> dict[str, str]:
+            # A source topic created after the start: its changelog too (the writer and restorer share `topics`).
+            found = await asyncio.to_thread(ensure_changelogs, config, make_admin(config), 10.0)
+            topics.update(found)
+            await local.set_changelogged(topics)
+            return topics
+
+        return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry, ensure_topics)
 
     async def run(self, stop: asyncio.Event) -> None:
         parts = [

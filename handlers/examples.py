@@ -1,7 +1,8 @@
 """The example handlers of SPEC §8.0: ok, flaky, permanent, sleep, crash.
 
 When RDQ_EXAMPLE_LOG names a file, each success of `ok`/`flaky` appends one JSON line
-{"handler", "source", "attempt"} so tests can count side effects from outside the process.
+{"handler", "source", "attempt"} so tests can count side effects from outside the process. `flaky` reads
+`{"fail": N, "ms": M}` from a JSON payload: its first N attempts fail (retryable), the next sleeps M ms and succeeds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from typing import Any
 
 from bridge.handler_api import HandlerContext, Permanent
@@ -54,9 +56,12 @@ def ok(ctx: HandlerContext) -> None:
 
 @handler("flaky")
 def flaky(ctx: HandlerContext) -> None:
-    fail = int(_json_payload(ctx).get("fail", 0))
+    payload = _json_payload(ctx)
+    fail = int(payload.get("fail", 0))
     if ctx.attempt <= fail:
         raise TransientError(f"flaky: attempt {ctx.attempt} of the first {fail} fails")
+    # A slow success ({"ms": N} on the succeeding attempt), without heartbeats: it runs within its lease.
+    time.sleep(float(payload.get("ms", 0)) / 1000.0)
     record_success("flaky", ctx)
 
 

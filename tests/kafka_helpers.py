@@ -20,7 +20,6 @@ from bridge.config import BridgeConfig, parse_config
 from bridge.kafka_clients import ensure_topics
 from bridge.registry import REGISTRY, Registry
 from bridge.service import Bridge, open_bridge
-from bridge.store import Store
 
 Headers = list[tuple[str, bytes]]
 

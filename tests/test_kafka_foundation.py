@@ -15,10 +15,11 @@ pytestmark = pytest.mark.kafka
 
 def test_ensure_topics_creates_every_configured_topic_once(bridge_config: BridgeConfig) -> None:
     created = ensure_topics(bridge_config)
-    assert sorted(created) == sorted(bridge_config.topics())
+    changelogs = [bridge_config.changelog_topic(t) for t in bridge_config.source_topics()]
+    assert sorted(created) == sorted(bridge_config.topics() + changelogs)
     assert ensure_topics(bridge_config) == []
     topics = make_admin(bridge_config).list_topics(timeout=10).topics
-    for name in bridge_config.topics():
+    for name in bridge_config.topics() + changelogs:
         assert len(topics[name].partitions) == bridge_config.kafka.topic_partitions
 
 

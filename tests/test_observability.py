@@ -165,7 +165,7 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_
             await asyncio.to_thread(broker.stop)
             await wait_until(lambda: ready_is(False), within=30, what="not ready without a broker")
             _, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")
-            assert body == {"ready": False, "broker": False, "store": True}
+            assert body == {"ready": False, "broker": False, "store": True, "restoring": []}
             await asyncio.to_thread(broker.start)
             await wait_until(lambda: ready_is(True), within=60, what="ready again")
     finally:
@@ -184,6 +184,6 @@ async def test_readyz_turns_false_when_the_store_cannot_be_written(kafka: KafkaE
         produce(config, f"in-{unique}", [(None, b"x" * 50_000, [])])
         await wait_until(lambda: bridge.health is not None and not bridge.health.ready, within=30, what="unready")
         code, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")  # type: ignore[arg-type]
-        assert code == 503 and body["store"] is False
+        assert code == 503 and body["store"] is False, body
         await bridge.store.limit_size(None)
         await wait_until(lambda: bridge.health is not None and bridge.health.ready, within=30, what="ready again")

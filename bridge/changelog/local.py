@@ -198,6 +198,10 @@ class LocalIndex:
 
         return await self.store._submit(apply)
 
+    async def partitions_status(self) -> dict[str, dict[str, int]]:
+        rows = await self.store._scan(lambda c: c.execute(q("partitions_status")).fetchall())
+        return {f"{r[0]}/{r[1]}": {"open": r[2], "changelog_lag": r[3]} for r in rows}
+
     async def unreadable_counts(self) -> dict[str, int]:
         rows = await self.store._scan(lambda c: c.execute(q("unreadable_count")).fetchall())
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}

@@ -57,7 +57,9 @@ class Restorer:
     async def restore(self, home: Home, wanted: Callable[[], bool] = lambda: True) -> RestoreReport:
         """Restore one home partition from the beginning of its changelog. `wanted()` false: give up (revoked)."""
         began = time.monotonic()
-        topic = self.topics[home[0]]
+        topic = self.topics.get(home[0])
+        if topic is None:  # the source topic did not exist when the bridge started
+            raise RestoreFailed(f"{home[0]} has no changelog topic yet")
         consumer: Consumer = await self._call(self._consumer_factory)
         try:
             tp = TopicPartition(topic, home[1])

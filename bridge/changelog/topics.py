@@ -32,6 +32,7 @@ def source_partitions(admin: AdminClient, topics: list[str], timeout: float) -> 
 def ensure_changelogs(config: BridgeConfig, admin: AdminClient, timeout: float = 30.0) -> dict[str, str]:
     """Create the missing changelog topics (partitions = the source's), check the others. Returns
     {source topic: changelog topic}. Raises ChangelogTopicError for one that exists but is wrong."""
+    _await_metadata(admin, config.source_topics(), min(timeout, 5.0))  # just created by `rdq topics`?
     sources = source_partitions(admin, config.source_topics(), timeout)
     existing = admin.list_topics(timeout=timeout).topics
     wanted = {config.changelog_topic(t): n for t, n in sources.items()}

@@ -404,3 +404,9 @@ VALUES (:topic, :partition, :offset, :key, :value, :error, :now) ON CONFLICT DO 
 
 -- name: unreadable_count
 SELECT topic, partition, COUNT(*) AS n FROM changelog_unreadable GROUP BY topic, partition;
+
+-- name: partitions_status
+-- Per home partition: open tasks, and transitions not yet in the changelog (its lag, in transitions' tasks).
+SELECT home_topic, home_partition,
+       SUM(status IN ('PENDING', 'IN_FLIGHT')) AS open, SUM(version > logged_version) AS unlogged
+  FROM tasks WHERE home_topic IS NOT NULL GROUP BY home_topic, home_partition;

@@ -1,0 +1,256 @@
+"""Tasks outlive their bridge (SPEC §10), against a real broker with several bridge processes.
+
+Scale-down, a lost disk, a zombie (SIGSTOP) and the changelog's own faults: a corrupt record, a wrong topic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from bridge.changelog.codec import SCHEMA
+from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
+from bridge.config import BridgeConfig, parse_config
+from bridge.kafka_clients import ensure_topics
+from tests.kafka_helpers import (
+    BridgeProcess,
+    account,
+    example_log,
+    kafka_config,
+    produce,
+    read_dlq,
+    read_topic,
+    running_bridge,
+    wait_until,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+def config_for(kafka: Any, tmp_path: Path, unique: str, partitions: int = 6, **queue: Any) -> BridgeConfig:
+    return kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "flaky", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}", **queue}},
+        kafka={"topic_partitions": partitions})
+
+
+def instance(config: BridgeConfig, tmp_path: Path, name: str, log: Path) -> BridgeProcess:
+    """One bridge process of the group: its own store directory and instance id."""
+    tree = config.file_tree()
+    (tmp_path / name).mkdir(exist_ok=True)
+    tree["store"]["path"] = str(tmp_path / name / "rdq.db")
+    tree.setdefault("engine", {})["instance_id"] = name
+    return BridgeProcess(parse_config(tree, "<test>"), tmp_path / f"{name}.yaml", {"RDQ_EXAMPLE_LOG": str(log)},
+                         name=name)
+
+
+def store_rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    if not db.exists():
+        return []
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def open_tasks(db: Path) -> int:
+    return int(store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT')")[0][0]) \
+        if db.exists() else 0
+
+
+def changelog_states(config: BridgeConfig, topic: str) -> dict[str, dict[str, Any]]:
+    """The last committed changelog record of every task (read_committed: aborted writes are not seen)."""
+    last: dict[str, dict[str, Any]] = {}
+    for msg in read_topic(config.kafka.bootstrap_servers, config.changelog_topic(topic), settle=2.0):
+        key = msg.key().decode()
+        if msg.value() is None:
+            last.pop(key, None)
+        else:
+            last[key] = json.loads(msg.value())
+    return last
+
+
+def payloads(n: int, failing_every: int = 3, fail: int = 2, **extra: Any) -> list[tuple[bytes, bytes, list[Any]]]:
+    return [(f"k{i}".encode(), json.dumps({"fail": fail if i % failing_every == 0 else 0, "i": i, **extra}).encode(),
+             []) for i in range(n)]
+
+
+@pytest.mark.slow
+def test_scale_down_every_record_ends_once_on_the_survivor(kafka: Any, tmp_path: Path) -> None:
+    """3 bridges, 3,000 records (a third fail twice, 3 s backoff: tasks are open), two stopped with SIGTERM:
+    every record ends as exactly one success, on the survivor for the moved tasks; nothing stays open."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, backoff={"kind": "fixed", "base": "3s"}, max_attempts=5)
+    ensure_topics(config)
+    log = tmp_path / "example.log"
+    bridges = [instance(config, tmp_path, f"b{i}", log).start() for i in range(3)]
+    try:
+        n = 3000
+        produce(config, f"in-{unique}", payloads(n))
+        dbs = [tmp_path / f"b{i}" / "rdq.db" for i in range(3)]
+        wait_until_sync(lambda: sum(open_tasks(db) for db in dbs) >= 500, 90, "tasks open on the bridges")
+        assert open_tasks(dbs[1]) + open_tasks(dbs[2]) > 0  # the two to go hold open tasks
+        for b in bridges[1:]:
+            assert b.terminate(60) == 0, b.tail()
+        for db in dbs[1:]:  # handed over: nothing of theirs is left in their files
+            assert store_rows(db, "SELECT COUNT(*) FROM tasks")[0][0] == 0
+        wait_until_sync(lambda: not account(config, log, f"in-{unique}", f"dlq-{unique}", n).missing, 120,
+                        "every record done")
+        result = account(config, log, f"in-{unique}", f"dlq-{unique}", n)
+        assert not result.missing and not result.dead, result.summary()
+        assert result.duplicate_successes == 0, result.summary()
+        wait_until_sync(lambda: open_tasks(dbs[0]) == 0, 30, "nothing open on the survivor")
+        moved = [e for e in example_log(log) if e["attempt"] == 3]
+        assert len(moved) == n // 3 + (1 if n % 3 else 0)  # every failing record succeeded at its 3rd attempt
+    finally:
+        for b in bridges:
+            b.kill()
+
+
+@pytest.mark.slow
+def test_a_lost_disk_loses_no_task_and_keeps_attempts_counted(kafka: Any, tmp_path: Path) -> None:
+    """2 bridges; SIGKILL one and delete its store: the other finishes its tasks with their history: attempt
+    numbers continue and max_attempts counts the attempts made before the move."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, backoff={"kind": "fixed", "base": "4s"}, max_attempts=3)
+    ensure_topics(config)
+    log = tmp_path / "example.log"
+    a, b = instance(config, tmp_path, "a", log).start(), instance(config, tmp_path, "b", log).start()
+    try:
+        n = 300
+        # Every 3rd record fails twice (succeeds at attempt 3); every 10th always fails (DEAD after 3).
+        records = [(k, json.dumps({"fail": 99 if i % 10 == 0 else 2 if i % 3 == 0 else 0}).encode(), h)
+                   for i, (k, _, h) in enumerate(payloads(n))]
+        produce(config, f"in-{unique}", records)
+        db_a = tmp_path / "a" / "rdq.db"
+        wait_until_sync(lambda: open_tasks(db_a) >= 20, 60, "tasks open on bridge a")
+        time.sleep(0.5)  # their changelog transaction (every 100 ms)
+        a.kill()
+        for leftover in (tmp_path / "a").iterdir():
+            leftover.unlink()
+        dead = sum(1 for i in range(n) if i % 10 == 0)
+        wait_until_sync(lambda: not account(config, log, f"in-{unique}", f"dlq-{unique}", n, dead).missing, 120,
+                        "every record done")
+        result = account(config, log, f"in-{unique}", f"dlq-{unique}", n, dead)
+        assert not result.missing and result.duplicate_dead == 0, result.summary()
+        assert len(set(result.dead)) == dead
+        for record in read_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=dead):
+            assert [x["attempt_no"] for x in record.value["attempts"] if x["redrive_no"] == 0][:3] == [1, 2, 3]
+            assert record.value["task"]["attempt_count"] == 3  # max_attempts counted across the move
+        late = {e["source"]: e["attempt"] for e in example_log(log) if e["attempt"] > 1}
+        assert set(late.values()) == {3}  # the moved tasks went on from their attempt 2, not from 1
+    finally:
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.slow
+def test_a_zombie_writes_nothing_after_its_partitions_moved(kafka: Any, tmp_path: Path) -> None:
+    """SIGSTOP a bridge mid-attempt until the group moves its partitions, then SIGCONT it: its late writes are
+    refused (its transactions are fenced by the group generation) and the new owner's state stands."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1, lease="20s",
+                        backoff={"kind": "fixed", "base": "200ms"}, max_attempts=6)
+    ensure_topics(config)
+    log = tmp_path / "example.log"
+    zombie = instance(config, tmp_path, "zombie", log).start()
+    heir = None
+    try:
+        # Attempt 1 fails; attempt 2 runs 8 s (within its 20 s lease) and then succeeds.
+        produce(config, f"in-{unique}", [(b"k", json.dumps({"fail": 1, "ms": 8000}).encode(), [])])
+        db = tmp_path / "zombie" / "rdq.db"
+        wait_until_sync(lambda: store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status = 'IN_FLIGHT'")
+                        and store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status = 'IN_FLIGHT'")[0][0] == 1,
+                        60, "attempt 2 running on the zombie")
+        time.sleep(1.0)  # the claim reaches the changelog
+        os.kill(zombie.proc.pid, signal.SIGSTOP)
+        heir = instance(config, tmp_path, "heir", log).start()
+        # The heir restores the task IN_FLIGHT, reclaims the lapsed lease (LEASE_EXPIRED, counted), runs it.
+        wait_until_sync(lambda: any(e["attempt"] >= 3 for e in example_log(log)), 90, "the heir's success")
+        os.kill(zombie.proc.pid, signal.SIGCONT)
+        wait_until_sync(lambda: any(e["attempt"] == 2 for e in example_log(log)), 30, "the zombie's late success")
+        time.sleep(3.0)  # its writer's next rounds
+        [state] = changelog_states(config, f"in-{unique}").values()
+        assert state["schema"] == SCHEMA and state["task"]["status"] == "SUCCEEDED"
+        workers = [(x["worker"], x["outcome"]) for x in state["attempts"]]
+        assert workers[-1] == ("heir", "SUCCESS") and ("zombie", "SUCCESS") not in workers, workers
+        assert [o for _, o in workers].count("LEASE_EXPIRED") == 1, workers  # the zombie's attempt, counted
+        assert sum(o == "SUCCESS" for _, o in workers) == 1
+        assert "stale" in zombie.tail(200) or "lost" in zombie.tail(200), zombie.tail(60)
+    finally:
+        with_cont(zombie)
+        zombie.kill()
+        if heir is not None:
+            heir.kill()
+
+
+def with_cont(process: BridgeProcess) -> None:
+    if process.alive:
+        os.kill(process.proc.pid, signal.SIGCONT)
+
+
+def wait_until_sync(predicate: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+async def test_an_unreadable_changelog_record_is_kept_counted_and_skipped(kafka: Any, tmp_path: Path) -> None:
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    changelog = config.changelog_topic(f"in-{unique}")
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    newer = json.dumps({"schema": "rdq.task/v9", "version": 1, "task": {}}).encode()
+    for key, value in ((b"T-corrupt", b"\x00 not json"), (b"T-newer", newer)):
+        producer.produce(changelog, key=key, value=value, partition=0)
+    producer.flush(10)
+    async with running_bridge(config) as bridge:
+        await wait_until(lambda: bridge.consumer.owns(f"in-{unique}", 0), within=60, what="restored")
+        rows = await bridge.store._read(lambda c: c.execute(
+            "SELECT offset, key, error FROM changelog_unreadable ORDER BY offset").fetchall())
+        assert [(r[0], r[1]) for r in rows] == [(0, b"T-corrupt"), (1, b"T-newer")]
+        assert "rdq.task/v9" in rows[1][2]
+        status = await bridge.consumer.changelog_status()
+        assert status["unreadable"] == {f"{changelog}/0": 2}
+        assert status["partitions"][f"in-{unique}/0"]["restoring"] is False
+        gauge = bridge.telemetry.metrics.changelog_unreadable.labels(f"{changelog}/0")
+        await wait_until(lambda: gauge._value.get() == 2, within=10, what="metric")
+        # The bridge runs on: a record is handled (and its failure restored later) as usual.
+        produce(config, f"in-{unique}", [(b"k", b'{"fail": 0}', [])])
+        await wait_until(lambda: bridge.consumer.stats["records"] == 1, within=30, what="consumed")
+
+
+def test_a_changelog_with_the_wrong_shape_refuses_the_start(kafka: Any, tmp_path: Path) -> None:
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=3)
+    ensure_topics(config.model_copy(update={"store": config.store.model_copy(update={"changelog": False})}))
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    name = config.changelog_topic(f"in-{unique}")
+    admin.create_topics([NewTopic(name, 2, 1, config={"cleanup.policy": "compact"})])[name].result(30)
+    wrong_count = re.escape(f"{name} has 2 partitions but its source in-{unique} has 3")
+    with pytest.raises(ChangelogTopicError, match=wrong_count):
+        ensure_changelogs(config, admin)
+    other = kafka_config(kafka.bootstrap_servers, tmp_path, unique + "x", {
+        "q": {"handler": "ok", "sources": [f"in-{unique}"]}})
+    name = other.changelog_topic(f"in-{unique}")
+    admin.create_topics([NewTopic(name, 3, 1, config={"cleanup.policy": "delete"})])[name].result(30)
+    with pytest.raises(ChangelogTopicError, match=r"cleanup\.policy=delete"):
+        ensure_changelogs(other, admin)
+    # And the process says so and exits non-zero.
+    process = BridgeProcess(other, tmp_path / "other.yaml").start()
+    assert process.proc.wait(60) != 0
+    assert "cleanup.policy=delete" in process.tail()

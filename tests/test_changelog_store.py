@@ -1,0 +1,168 @@
+"""The SQLite side of the changelog (SPEC §10): versions, the outbox, homes, restore rules, the record format.
+
+Real SQLite on disk; no broker (the Kafka side is in test_changelog_kafka.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from bridge.changelog.codec import SCHEMA, Unreadable, decode
+from bridge.changelog.local import LocalIndex
+from bridge.model import ErrorInfo, NewTask, Outcome, Status
+from bridge.store import Store
+from tests.helpers import T0, failure, report
+
+HOME = ("src", 0)
+
+
+def on(topic: str, partition: int, offset: int, due_in_ms: int = 0, dead: ErrorInfo | None = None) -> NewTask:
+    task = failure(due_in_ms=due_in_ms, dead=dead)
+    headers = {**task.headers, "rdq.source": f"kafka://{topic}/{partition}/{offset}", "rdq.kafka.timestamp": "7"}
+    return type(task)(**{**task.__dict__, "headers": headers})
+
+
+async def scoped_store(tmp_path: Path) -> tuple[Store, LocalIndex]:
+    store = await Store.open(tmp_path / "rdq.db", scoped=True)
+    local = LocalIndex(store)
+    await local.set_changelogged(["src"])
+    return store, local
+
+
+async def test_every_transition_is_in_the_outbox_but_a_heartbeat_is_not(tmp_path: Path) -> None:
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        task = on("src", 0, 1)
+        await store.submit(task)
+        [entry] = await local.outbox(10)
+        assert entry.task_id == task.id and entry.home == HOME and entry.version == 1
+        await local.mark_logged([entry])
+        assert await local.outbox(10) == []
+        [claimed] = await store.claim_due("q", 10, 30, "w", T0)
+        [entry] = await local.outbox(10)  # the claim is logged: a restore elsewhere sees the lease
+        assert entry.version == 2 and json.loads(entry.value or b"")["task"]["status"] == "IN_FLIGHT"
+        await local.mark_logged([entry])
+        assert await store.extend_lease(task.id, claimed.lease_token, 30, T0 + 1)
+        assert await local.outbox(10) == []  # a heartbeat is not a transition worth a record
+        await store.record_retry(task.id, claimed.lease_token, report(Outcome.RETRYABLE_FAILURE), T0 + 5)
+        [entry] = await local.outbox(10)
+        body = json.loads(entry.value or b"")
+        assert entry.version == 3 and body["schema"] == SCHEMA
+        assert [a["attempt_no"] for a in body["attempts"]] == [1, 2]
+    finally:
+        await store.close()
+
+
+async def test_only_active_homes_are_claimed_logged_or_swept(tmp_path: Path) -> None:
+    store, local = await scoped_store(tmp_path)
+    try:
+        mine, theirs, homeless = on("src", 0, 1), on("src", 1, 1), failure()
+        for task in (mine, theirs, homeless):
+            await store.submit(task)
+        await local.set_home(HOME, "active")
+        claimed = {t.id for t in await store.claim_due("q", 10, 30, "w", T0)}
+        # Partition 1 is not this instance's; a task whose topic has no changelog stays this file's to run.
+        assert claimed == {mine.id, homeless.id}
+        assert {e.task_id for e in await local.outbox(10)} == {mine.id}
+        await local.set_home(HOME, "leaving")  # revoked: nothing new starts, its last transitions still go out
+        await store.record_retry(mine.id, 1, report(Outcome.RETRYABLE_FAILURE), T0)
+        assert await store.claim_due("q", 10, 30, "w", T0 + 10) == []
+        assert {e.task_id for e in await local.outbox(10)} == {mine.id}
+    finally:
+        await store.close()
+
+
+async def test_a_purge_leaves_a_tombstone_for_the_changelog(tmp_path: Path) -> None:
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        task = on("src", 0, 1, dead=ErrorInfo("E", "m"))
+        await store.submit(task)
+        await store.mark_dlq_published(await store.get(task.id), "dlq", 0, 0, T0)  # type: ignore[arg-type]
+        assert await store.purge_task(task.id)
+        [tomb] = await local.tombstones(10)
+        assert tomb.task_id == task.id and tomb.value is None and tomb.home == HOME
+        await local.mark_logged([tomb])
+        assert await local.tombstones(10) == []
+    finally:
+        await store.close()
+
+
+async def test_a_dlq_publish_in_the_changelog_transaction_is_marked_logged(tmp_path: Path) -> None:
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        task = on("src", 0, 1, dead=ErrorInfo("E", "m"))
+        await store.submit(task)
+        published = await local.snapshot_published(task.id, "dlq", 2, 9, T0)
+        assert published is not None and published.version == 2
+        assert json.loads(published.value or b"")["task"]["dlq_state"] == "PUBLISHED"
+        await local.mark_logged([type(published)(task.id, HOME, 1, b"")])
+        stored = await store.get(task.id)
+        assert stored is not None and await store.mark_dlq_published(stored, "dlq", 2, 9, T0, logged=True)
+        assert await local.outbox(10) == []  # the mark and its changelog record went out together
+    finally:
+        await store.close()
+
+
+async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tmp_path: Path) -> None:
+    # Instance A writes the changelog.
+    a, a_local = await scoped_store(tmp_path / "a")
+    await a_local.set_home(HOME, "active")
+    kept, later_purged = on("src", 0, 1), on("src", 0, 2)
+    for task in (kept, later_purged):
+        await a.submit(task)
+    records = [(i, e.task_id.encode(), e.value) for i, e in enumerate(await a_local.outbox(10))]
+    [claimed] = [t for t in await a.claim_due("q", 10, 30, "a", T0) if t.id == kept.id] or [None]
+    assert claimed is not None
+    records += [(len(records), kept.id.encode(), (await a_local.outbox(10))[0].value)]
+    await a.close()
+    # Instance B has a stale copy of `kept`, a task the changelog logged and no longer holds, and one never
+    # logged (its source offset was not committed: it stays, to be logged now).
+    b, b_local = await scoped_store(tmp_path / "b")
+    try:
+        stale = await b.submit(kept)
+        assert stale == kept.id
+        gone, never = on("src", 0, 3), on("src", 0, 4)
+        await b.submit(gone)
+        await b.submit(never)
+        await b_local.set_home(HOME, "active")
+        await b_local.mark_logged([e for e in await b_local.outbox(10) if e.task_id in (gone.id, kept.id)])
+        await b_local.set_home(HOME, None)
+        seen: set[str] = set()
+        errors: list[str] = []
+        batch = await b_local.restore_batch(HOME, "cl", [*records, (99, later_purged.id.encode(), None),
+                                                         (100, b"x", b"not json")], seen, T0, errors)
+        assert (batch.applied, batch.tombstones, batch.unreadable) == (3, 1, 1)
+        assert len(errors) == 1 and "cl/0/100" in errors[0]
+        dropped = await b_local.restore_finish(HOME, seen)
+        assert dropped == 1 and await b.get(gone.id) is None
+        assert await b.get(later_purged.id) is None  # its tombstone
+        restored = await b.get(kept.id)
+        assert restored is not None and restored.status == Status.IN_FLIGHT and restored.attempt_count == 2
+        assert [x.attempt_no for x in restored.attempts] == [1]  # history as the changelog has it
+        assert await b.get(never.id) is not None
+        await b_local.set_home(HOME, "active")
+        assert {e.task_id for e in await b_local.outbox(10)} == {never.id}
+        assert await b_local.unreadable_counts() == {"cl/0": 1}
+    finally:
+        await b.close()
+
+
+def test_decode_refuses_what_it_cannot_read() -> None:
+    good = {"schema": SCHEMA, "version": 1, "attempts": [], "redrives": [], "task": {
+        "id": "T1", "queue": "q", "handler_ref": "h", "status": "PENDING", "attempt_count": 0, "redrive_count": 0,
+        "lease_token": 0, "created_at": 1, "life_started_at": 1, "headers": {"rdq.source": "kafka://t/0/1"},
+        "payload": base64.b64encode(b"x").decode()}}
+    assert decode(b"T1", json.dumps(good).encode()).task["source_ref"] == "kafka://t/0/1@"
+    newer = {**good, "schema": "rdq.task/v2"}
+    for value, key in ((b"\xff\x00", b"T1"), (json.dumps(newer).encode(), b"T1"), (json.dumps(good).encode(), b"T2"),
+                       (json.dumps({**good, "task": {**good["task"], "payload": "!!"}}).encode(), b"T1"),
+                       (b"[1, 2]", b"T1")):
+        with pytest.raises(Unreadable):
+            decode(key, value)
