@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
 _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
+_FLUSH_TIMEOUT = 15.0  # a revoke's last changelog transaction (the writer's own timeouts are shorter)
 
 
 class Changelog:
@@ -455,7 +457,7 @@ class SourceConsumer:
         assert self._loop is not None
         future = asyncio.run_coroutine_threadsafe(self._release(tps), self._loop)
         try:
-            offsets = future.result(self.grace_period + 5)
+            offsets = future.result(self.grace_period + _FLUSH_TIMEOUT + 5)
         except Exception:
             log.exception("could not drain revoked partitions; their uncommitted records will be redelivered")
             return
@@ -477,6 +479,7 @@ class SourceConsumer:
 
         Records not started are dropped here: they stay uncommitted, so the next owner gets them.
         """
+        tps &= self._assigned  # after a stop's own hand-over, the revoke inside close() has nothing left to do
         for tp in tps:
             self._backlog.pop(tp, None)
         restoring = tps & self._restoring
@@ -484,23 +487,30 @@ class SourceConsumer:
         if self.changelog is not None:
             for tp in tps - restoring:
                 await self._changelog_call(self.changelog.local.set_home(tp, "leaving"))
+        began = time.monotonic()
         running = [t for tp in tps for t in self._running.get(tp, ())]
         if running:
             _, late = await asyncio.wait(running, timeout=self.grace_period)
             if late:
                 log.warning("%d records still running after the grace period; they may run twice", len(late))
         if self.changelog is not None:
-            await self._hand_over(tps - restoring)
+            # One grace period for the first deliveries and the retries together.
+            await self._hand_over(tps - restoring, max(0.0, self.grace_period - (time.monotonic() - began)))
         offsets = self._commit_offsets(tps, only_new=False)
         await self._forget(tps)
         return offsets
 
-    async def _hand_over(self, tps: set[TP]) -> None:
+    async def _hand_over(self, tps: set[TP], grace: float) -> None:
         """Revoked partitions' tasks: running attempts finish (or are released), the changelog is flushed with
         the final offsets, then this file lets the tasks go: the next owner restores them."""
         assert self.changelog is not None
-        await self.changelog.hand_over(tps, self.grace_period)
+        began = time.monotonic()
+        await self.changelog.hand_over(tps, grace)
+        handed = time.monotonic()
         flushed = await self.changelog.writer.flush()
+        log.info("hand-over of %s: running attempts %.2fs, changelog flush %.2fs (%s)",
+                 sorted(f"{t}/{p}" for t, p in tps), handed - began, time.monotonic() - handed,
+                 "committed" if flushed else "NOT committed")
         for tp in tps:
             if flushed:
                 dropped = await self._changelog_call(self.changelog.local.drop_home(tp))
@@ -557,6 +567,10 @@ class SourceConsumer:
             _, late = await asyncio.wait(running, timeout=self.grace_period)
         for task in list(self._restores):
             task.cancel()
+        if self.changelog is not None and self._consumer is not None and self._assigned:
+            # Hand everything over while the group is stable, as Kafka Streams commits before closing its
+            # consumer: inside close() the group is already rebalancing and a transaction's offsets wait for it.
+            await self._release(set(self._assigned))
         if self._consumer is not None:
             offsets = self._commit_offsets(only_new=False)
             with contextlib.suppress(KafkaException):

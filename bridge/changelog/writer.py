@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from bridge.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
+_TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
@@ -117,11 +119,17 @@ class ChangelogWriter:
         self._kick.set()
 
     async def flush(self) -> bool:
-        """One round now (a revoke, a stop): True if it committed and nothing of this instance stays unlogged."""
+        """Rounds now (a revoke, a stop) until nothing of this instance is unlogged and the offsets committed are
+        the current ones: a round's offsets are taken before its tasks are logged, so the records those tasks
+        stand for are committed by the next round. True when that was reached."""
         if self._producer is None:
             return False
-        ok = await self._one_round()
-        return ok and not await self.local.outbox(1)
+        for _ in range(3):
+            if not await self._one_round():
+                return False
+            if not await self.local.outbox(1) and self._offsets() == self._last_offsets:
+                return True
+        return False
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
@@ -240,10 +248,15 @@ class ChangelogWriter:
                 continue  # a home outside this config's sources: never active, cannot happen
             self._producer.produce(topic, key=entry.task_id.encode(), value=entry.value, partition=entry.home[1])
         metadata = self._group_metadata()
+        began = time.monotonic()
         if work.offsets and metadata is not None:
             offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
-            self._producer.send_offsets_to_transaction(offsets, metadata, 30.0)
-        self._producer.commit_transaction(30.0)
+            self._producer.send_offsets_to_transaction(offsets, metadata, _TIMEOUT)
+        sent = time.monotonic()
+        self._producer.commit_transaction(_TIMEOUT)
+        if time.monotonic() - began > 1.0:
+            log.warning("slow changelog transaction: offsets %.2fs, commit %.2fs", sent - began,
+                        time.monotonic() - sent)
 
     async def _committed(self, work: _Round) -> None:
         self.stats["transactions"] += 1
