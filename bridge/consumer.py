@@ -480,6 +480,8 @@ class SourceConsumer:
         Records not started are dropped here: they stay uncommitted, so the next owner gets them.
         """
         tps &= self._assigned  # after a stop's own hand-over, the revoke inside close() has nothing left to do
+        if not tps:
+            return []
         for tp in tps:
             self._backlog.pop(tp, None)
         restoring = tps & self._restoring
