@@ -5,6 +5,7 @@ Scale-down, a lost disk, a zombie (SIGSTOP) and the changelog's own faults: a co
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -16,13 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bridge.changelog.codec import SCHEMA
+from bridge.changelog.local import LocalIndex
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
+from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig, parse_config
-from bridge.kafka_clients import ensure_topics
+from bridge.kafka_clients import ensure_topics, make_changelog_producer, make_consumer
+from bridge.store import Store
+from tests.helpers import failure
 from tests.kafka_helpers import (
     BridgeProcess,
     account,
@@ -254,3 +259,54 @@ def test_a_changelog_with_the_wrong_shape_refuses_the_start(kafka: Any, tmp_path
     process = BridgeProcess(other, tmp_path / "other.yaml").start()
     assert process.proc.wait(60) != 0
     assert "cleanup.policy=delete" in process.tail()
+
+
+async def test_a_stale_group_generation_cannot_commit_a_changelog_transaction(kafka: Any, tmp_path: Path) -> None:
+    """The fencing itself (KIP-447), deterministically: a writer holding the group metadata of a member whose
+    partitions moved to another member cannot commit; its changelog record never becomes visible."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    topic, changelog = f"in-{unique}", config.changelog_topic(f"in-{unique}")
+
+    def member() -> Consumer:
+        consumer = make_consumer(config)
+        consumer.subscribe([topic])
+        wait_until_sync(lambda: consumer.poll(0.2) is None and bool(consumer.assignment()), 60, "assignment")
+        return consumer
+
+    zombie = member()
+    stale = zombie.consumer_group_metadata()
+    zombie.close()  # its partition goes to the next member
+    heir = member()
+    store = await Store.open(tmp_path / "zombie.db", scoped=True)
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        await local.set_home((topic, 0), "active")
+        task = failure()
+        task = type(task)(**{**task.__dict__, "headers": {**task.headers, "rdq.source": f"kafka://{topic}/0/0"}})
+        await store.submit(task)
+        writer = ChangelogWriter(local, {topic: changelog},
+                                 lambda: make_changelog_producer(config, f"zombie-{unique}", 1_000_000),
+                                 lambda: {(topic, 0): 0}, lambda: stale, _Clock())
+        stop = asyncio.Event()
+        running = asyncio.create_task(writer.run(stop))
+        try:
+            await wait_until(lambda: writer.stats["fenced"] + writer.stats["transactions"] >= 1, within=60,
+                             what="a transaction tried")
+        finally:
+            stop.set()
+            await running
+            await writer.close()
+        assert writer.stats["fenced"] >= 1 and writer.stats["transactions"] == 0, writer.stats
+        assert [e.task_id for e in await local.outbox(10)] == [task.id]  # still unlogged here
+        assert changelog_states(config, topic) == {}  # and nothing of it in the changelog
+    finally:
+        heir.close()
+        await store.close()
+
+
+class _Clock:
+    def now_ms(self) -> int:
+        return int(time.time() * 1000)
