@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import zlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -35,7 +36,7 @@ from bridge.config import AdminConfig, ConfigError
 from bridge.dlq import SCHEMA
 from bridge.engine import Engine
 from bridge.model import Attempt, Status, Task, parse_rfc3339
-from bridge.records import SOURCE, parse_source
+from bridge.records import SOURCE, parse_source, source_key
 from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,16 @@ class AdminCommands:
 
     def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None],
                  owns: Callable[[str, int], bool] | None = None,
-                 changelog_status: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 changelog_status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 partitions: Callable[[str], int | None] | None = None) -> None:
         self.engine = engine
         self.store = engine.store
         self.read_record = read_record  # (topic, partition, offset) → value, for redrive from a DLQ record
         self.owns = owns or (lambda topic, partition: False)  # is this source partition assigned here now?
         self.changelog_status = changelog_status
+        # With the changelog (SPEC §10): how many partitions a topic has now (None: no such topic), to find the
+        # home of a task re-created from its DLQ record. None: tasks are not homed (no changelog).
+        self.partitions = partitions
 
     async def load_settings(self) -> None:
         """Persisted operator settings (pause, set-policy) apply from the start."""
@@ -136,6 +141,8 @@ class AdminCommands:
         if value is None:
             raise Refused("NotFound", f"no record at {ref.topic}/{ref.partition}/{ref.offset}")
         task = self._envelope_task(value)
+        if self.partitions is not None:
+            return await self._redrive_at_home(task, args, cmd)
         if await self.store.get(task.id) is not None:
             return {"task_id": task.id, **await self._redrive_one(task.id, cmd, args.dry_run)}
         if args.instance is None:
@@ -151,6 +158,43 @@ class AdminCommands:
         ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id)
         return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
                 "count": int(ok)}
+
+    async def _redrive_at_home(self, task: Task, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
+        """With the changelog, a task lives where its home partition is owned: that instance (exactly one) redrives
+        it, re-creating it from the envelope when its changelog no longer holds it (purged)."""
+        assert args.dlq is not None
+        home = await asyncio.to_thread(self._home_for, task)
+        if home is None:
+            raise Refused("NotHeld", f"task {task.id} has no home: its queue {task.queue!r} has no source topic here")
+        if not self.owns(*home):
+            raise Refused("NotOwner", f"task {task.id} lives in partition {home[0]}/{home[1]}, not owned by "
+                                      f"{self.engine.instance_id!r}; its owner carries it out")
+        if await self.store.get(task.id) is not None:
+            return {"task_id": task.id, "home": f"{home[0]}/{home[1]}",
+                    **await self._redrive_one(task.id, cmd, args.dry_run)}
+        if args.dry_run:
+            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
+                    "would_recreate": True, "home": f"{home[0]}/{home[1]}"}
+        ref = args.dlq
+        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset, home)
+        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id)
+        return {"task_id": task.id, "held": False, "recreated": True, "home": f"{home[0]}/{home[1]}",
+                "redriven": [task.id] if ok else [], "count": int(ok)}
+
+    def _home_for(self, task: Task) -> tuple[str, int] | None:
+        """The partition of its `rdq.source`; when that partition no longer exists, the one its key chooses in the
+        queue's first source topic."""
+        assert self.partitions is not None
+        source = task.home
+        if source is not None and source[1] < (self.partitions(source[0]) or 0):
+            return source
+        queue = self.engine.config.queue(task.queue)
+        topic = queue.sources[0] if queue is not None and queue.sources else None
+        count = self.partitions(topic) if topic is not None else None
+        if topic is None or not count:
+            return None
+        key = source_key(task.headers) or task.id.encode()
+        return topic, zlib.crc32(key) % count
 
     @staticmethod
     def _envelope_task(value: bytes) -> Task:

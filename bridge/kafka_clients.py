@@ -124,6 +124,22 @@ def broker_reachable(config: BridgeConfig, timeout: float = 5.0) -> bool:
     return True
 
 
+def partition_count(config: BridgeConfig, topic: str, timeout: float = 10.0) -> int | None:
+    """How many partitions `topic` has now; None when it does not exist."""
+    admin = make_admin(config)
+    deadline = time.monotonic() + timeout
+    while True:
+        metadata = admin.list_topics(timeout=timeout).topics.get(topic)
+        if metadata is None or (metadata.error is not None
+                                and metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+            return None
+        if metadata.partitions:  # another error (a leader election) still lists the partitions
+            return len(metadata.partitions)
+        if time.monotonic() > deadline:
+            raise KafkaException(metadata.error or KafkaError(KafkaError._TIMED_OUT, f"no metadata for {topic}"))
+        time.sleep(0.2)
+
+
 def read_record(config: BridgeConfig, topic: str, partition: int, offset: int, timeout: float = 10.0) -> bytes | None:
     """The value of one record (e.g. a DLQ record to redrive from), or None when there is no such record."""
     consumer = Consumer({**_base(config), "group.id": f"rdq-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,

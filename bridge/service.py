@@ -37,6 +37,7 @@ from bridge.kafka_clients import (
     make_dlq_producer,
     make_producer,
     make_restore_consumer,
+    partition_count,
     read_record,
 )
 from bridge.live_config import LiveConfig
@@ -103,8 +104,10 @@ class Bridge:
         self.delivery.on_store_health = self.consumer.set_store_health
         self.admin: AdminLoop | None = None
         if config.admin is not None:
+            changelog = self.changelog is not None
             commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns,
-                                     self.consumer.changelog_status if self.changelog is not None else None)
+                                     self.consumer.changelog_status if changelog else None,
+                                     (lambda topic: partition_count(config, topic)) if changelog else None)
             self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
                                    lambda: make_admin_consumer(config, self.run_id),
                                    lambda: make_producer(config), self.engine.clock.now_ms)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -188,10 +189,13 @@ async def test_two_instances_both_answer_stats(kafka: KafkaEnv, tmp_path: Path, 
     assert all(r["ok"] and r["result"]["configured"] == ["q"] for r in replies)
 
 
+@pytest.mark.parametrize("changelog", [True, False], ids=["changelog", "no-changelog"])
 async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
-        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
-    """No store holds the task: the instance consuming its home partition re-creates it; the other refuses with
-    a reason (it answered `ok: true, count: 0`, which a script reads as success). Naming an instance overrides."""
+        kafka: KafkaEnv, tmp_path: Path, unique: str, changelog: bool) -> None:
+    """No store holds the task: the instance owning its home partition re-creates it; the other refuses with a
+    reason (it answered `ok: true, count: 0`, which a script reads as success). With the changelog (SPEC §10) the
+    owner is the only one that may (a task lives with its partition), and a record whose partition is gone goes
+    home to the partition its key chooses; without it, naming an instance overrides."""
     from bridge.dlq import build_record
     from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task, new_task_id
 
@@ -199,34 +203,63 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     queues = {"q": {**QUEUE, "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}}
-    config_a = admin_config(kafka, tmp_path / "a", unique, queues)
-    config_b = admin_config(kafka, tmp_path / "b", unique, queues)
+    store = {"store": {"changelog": changelog}}
+    config_a = admin_config(kafka, tmp_path / "a", unique, queues, **store)
+    config_b = admin_config(kafka, tmp_path / "b", unique, queues, **store)
 
-    def envelope(partition: int) -> bytes:
+    def envelope(partition: int, key: str = "") -> bytes:
         task = Task(new_task_id(), "q", "switch", None, b"{}", "application/json",
-                    {"rdq.source": f"kafka://in-{unique}/{partition}/0"}, Status.DEAD, 2, 0, None, None, 0, None,
-                    None, 1_000, 1_000, 2_000, None, ErrorInfo("ConnectionError", "down"), "PUBLISHED", None, None,
-                    None, (Attempt(1, 0, 1_000, 1_100, Outcome.RETRYABLE_FAILURE, ErrorInfo("ConnectionError")),))
+                    {"rdq.source": f"kafka://in-{unique}/{partition}/0", "rdq.kafka.key": key}, Status.DEAD, 2, 0,
+                    None, None, 0, None, None, 1_000, 1_000, 2_000, None, ErrorInfo("ConnectionError", "down"),
+                    "PUBLISHED", None, None, None,
+                    (Attempt(1, 0, 1_000, 1_100, Outcome.RETRYABLE_FAILURE, ErrorInfo("ConnectionError")),))
         return build_record(task, 1_000_000).value
 
     async with running_bridge(config_a, registry, instance_id="bridge-a") as a, \
             running_bridge(config_b, registry, instance_id="bridge-b") as b:
-        await wait_until(lambda: len(a.consumer._assigned) + len(b.consumer._assigned) == 3 and
-                         a.consumer._assigned and b.consumer._assigned, what="both instances assigned")
+        def split() -> tuple[frozenset[Any], frozenset[Any]] | None:
+            if (len(a.consumer._assigned) + len(b.consumer._assigned) == 3 and a.consumer._assigned
+                    and b.consumer._assigned and not a.consumer.restoring and not b.consumer.restoring):
+                return frozenset(a.consumer._assigned), frozenset(b.consumer._assigned)
+            return None
+
+        seen: list[Any] = []
+
+        async def settled() -> bool:  # the same split for 2 s: the group's rebalances are over
+            seen.append(split())
+            return len(seen) > 20 and seen[-1] is not None and len(set(seen[-21:])) == 1
+
+        await wait_until(settled, what="both instances assigned, the group settled")
         owned_by_a = sorted(p for _, p in a.consumer._assigned)[0]
-        produce(config_a, f"dlq-{unique}", [(None, envelope(owned_by_a), []), (None, envelope(owned_by_a), [])])
-        records = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=2)
-        first, second = ({"dlq": {"topic": f"dlq-{unique}", "partition": r.partition, "offset": r.offset}}
-                         for r in records)
+        produce(config_a, f"dlq-{unique}", [(None, envelope(owned_by_a), []), (None, envelope(owned_by_a), []),
+                                            (None, envelope(7, "a2V5"), [])])
+        # In the order produced (the DLQ topic has several partitions: the read order is not that order).
+        records = sorted(await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=3),
+                         key=lambda r: r.value["task"]["headers"]["rdq.source"].endswith("/7/0"))
+        first, second, gone = ({"dlq": {"topic": f"dlq-{unique}", "partition": r.partition, "offset": r.offset}}
+                               for r in records)
         replies = {r["instance"]: r for r in await ask(config_a, "redrive", first, instances=2)}
         assert replies["bridge-a"]["ok"] and replies["bridge-a"]["result"]["recreated"]
-        assert not replies["bridge-b"]["ok"] and replies["bridge-b"]["error"]["type"] == "rdq.admin.NotHeld"
+        refusal = "rdq.admin.NotOwner" if changelog else "rdq.admin.NotHeld"
+        assert not replies["bridge-b"]["ok"] and replies["bridge-b"]["error"]["type"] == refusal
         task_id = records[0].value["task"]["id"]
         assert await a.store.get(task_id) is not None and await b.store.get(task_id) is None
         second["instance"] = "bridge-b"
         replies = {r["instance"]: r for r in await ask(config_a, "redrive", second, instances=2)}
-        assert replies["bridge-b"]["ok"] and replies["bridge-b"]["result"]["recreated"]
         assert not replies["bridge-a"]["ok"] and replies["bridge-a"]["error"]["type"] == "rdq.admin.NotChosen"
+        if not changelog:
+            assert replies["bridge-b"]["ok"] and replies["bridge-b"]["result"]["recreated"]
+            return
+        # Named but not the owner: it refuses too (it would run a task whose partition another instance owns).
+        assert not replies["bridge-b"]["ok"] and replies["bridge-b"]["error"]["type"] == "rdq.admin.NotOwner", (
+            replies["bridge-b"], owned_by_a)
+        # Partition 7 does not exist: the key chooses its home among the topic's 3 partitions.
+        home = zlib.crc32(b"key") % 3
+        owner, other = ("bridge-a", "bridge-b") if (f"in-{unique}", home) in a.consumer._assigned else \
+            ("bridge-b", "bridge-a")
+        replies = {r["instance"]: r for r in await ask(config_a, "redrive", gone, instances=2)}
+        assert replies[owner]["ok"] and replies[owner]["result"]["home"] == f"in-{unique}/{home}"
+        assert replies[other]["error"]["type"] == "rdq.admin.NotOwner"
 
 
 async def test_set_policy_changes_what_queued_tasks_do(kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:

@@ -48,6 +48,14 @@ class LocalIndex:
 
         return await self.store._read(read)
 
+    async def premigration(self, limit: int) -> list[Entry]:
+        """Tasks stored before the changelog existed (any partition): the first start writes them to it."""
+
+        def read(conn: sqlite3.Connection) -> list[Entry]:
+            return [self._entry(conn, row) for row in conn.execute(q("premigration_outbox"), {"limit": limit})]
+
+        return await self.store._read(read)
+
     async def snapshot_published(self, task_id: str, topic: str, partition: int, offset: int,
                                  now: int) -> Entry | None:
         """The state a DLQ publish leads to (what `mark_dlq_published` will write), for the same transaction."""

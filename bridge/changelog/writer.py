@@ -162,12 +162,33 @@ class ChangelogWriter:
                 producer = self._producer_factory()
                 await self._call(producer.init_transactions, 30.0)
                 self._producer = producer
+                await self._push_premigration()
                 self.ready.set()
                 return
             except KafkaException as e:
                 log.warning("changelog producer cannot start its transactions yet (retrying): %s", e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _push_premigration(self) -> None:
+        """An existing store's tasks (from before the changelog) go to the changelog of their partition, whoever
+        owns it: one transaction per batch, without offsets (the group is not involved). The owner runs them
+        from its next restore of that partition; until written, they stay in this file."""
+        total = 0
+        while entries := await self.local.premigration(_BATCH):
+            work = _Round(entries=entries)
+            try:
+                await self._call(self._begin_and_send_dlq, [])
+                await self._call(self._send_and_commit, work)
+            except KafkaException as e:
+                await self._abort_or_restart(e.args[0] if e.args else e)
+                log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
+                          "next start): %s", e)
+                return
+            await self._mark(entries)
+            total += len(entries)
+        if total:
+            log.info("wrote %d tasks stored before the changelog existed to their changelog partitions", total)
 
     async def _one_round(self) -> bool:
         async with self._round_lock:

@@ -363,8 +363,15 @@ DELETE FROM changelogged;
 INSERT INTO changelogged (topic) VALUES (:topic) ON CONFLICT DO NOTHING;
 
 -- name: home_drop_tasks
--- The partition went to another instance, its changelog flushed: this file no longer holds its tasks.
-DELETE FROM tasks WHERE home_topic = :topic AND home_partition = :partition RETURNING id;
+-- The partition went to another instance, its changelog flushed: this file no longer holds its tasks (except those
+-- from before the changelog not yet written to it).
+DELETE FROM tasks WHERE home_topic = :topic AND home_partition = :partition AND logged_version != -1 RETURNING id;
+
+-- name: premigration_outbox
+-- Tasks from before the changelog, of a changelogged topic, whatever partition: written once, at the first start.
+SELECT * FROM tasks
+ WHERE logged_version = -1 AND EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
+ LIMIT :limit;
 
 -- name: home_drop_tombstones
 DELETE FROM tombstones WHERE home_topic = :topic AND home_partition = :partition;

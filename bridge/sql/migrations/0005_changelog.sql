@@ -17,6 +17,11 @@ UPDATE tasks
          WHERE json_extract(headers, '$."rdq.source"') LIKE 'kafka://%/%/%') AS s
  WHERE tasks.id = s.sid;
 
+-- Tasks stored before the changelog existed: never logged, their source offsets committed long ago. -1 marks
+-- them; the bridge writes them to the changelog at its first start (whoever owns their partition), and never drops
+-- them from this file before that.
+UPDATE tasks SET logged_version = -1;
+
 CREATE INDEX tasks_home ON tasks (home_topic, home_partition);
 CREATE INDEX tasks_unlogged ON tasks (home_topic, home_partition) WHERE version > logged_version;
 
