@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import sqlite3
@@ -161,6 +162,36 @@ def test_a_lost_disk_loses_no_task_and_keeps_attempts_counted(kafka: Any, tmp_pa
 
 
 @pytest.mark.slow
+def test_rolling_restart_onto_fresh_volumes_loses_nothing(kafka: Any, tmp_path: Path) -> None:
+    """3 bridges restarted one after the other, each onto a new empty store directory, while records flow (a
+    third fail once or twice, 5% always): every record ends as a success or one DLQ record; no DLQ duplicate."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, backoff={"kind": "fixed", "base": "1s"}, max_attempts=3)
+    ensure_topics(config)
+    log = tmp_path / "example.log"
+    bridges = [instance(config, tmp_path, f"b{i}", log).start() for i in range(3)]
+    n, rng = 1500, random.Random(3)
+    fails = [99 if rng.random() < 0.05 else rng.choice([0, 0, 0, 0, 1, 2]) for _ in range(n)]
+    records = [(f"k{i}".encode(), json.dumps({"fail": f}).encode(), []) for i, f in enumerate(fails)]
+    try:
+        for chunk, restart in zip(range(0, n, n // 3), range(3), strict=True):
+            produce(config, f"in-{unique}", records[chunk: chunk + n // 3])
+            time.sleep(3)
+            assert bridges[restart].terminate(60) == 0, bridges[restart].tail()
+            assert not (tmp_path / f"b{restart}-fresh").exists()  # a new, empty store directory
+            bridges[restart] = instance(config, tmp_path, f"b{restart}-fresh", log).start()
+        dead = sum(f == 99 for f in fails)
+        wait_until_sync(lambda: not account(config, log, f"in-{unique}", f"dlq-{unique}", n, dead).missing, 120,
+                        "every record done")
+        result = account(config, log, f"in-{unique}", f"dlq-{unique}", n, dead)
+        assert not result.missing and result.duplicate_dead == 0, result.summary()
+        assert len(set(result.dead)) == dead, result.summary()
+    finally:
+        for b in bridges:
+            b.kill()
+
+
+@pytest.mark.slow
 def test_a_zombie_writes_nothing_after_its_partitions_moved(kafka: Any, tmp_path: Path) -> None:
     """SIGSTOP a bridge mid-attempt until the group moves its partitions, then SIGCONT it: its late writes are
     refused (its transactions are fenced by the group generation) and the new owner's state stands."""
@@ -310,3 +341,44 @@ async def test_a_stale_group_generation_cannot_commit_a_changelog_transaction(ka
 class _Clock:
     def now_ms(self) -> int:
         return int(time.time() * 1000)
+
+
+@pytest.mark.slow
+async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(stoppable_broker: Any,
+                                                                               tmp_path: Path) -> None:
+    """The broker goes away as a partition starts restoring: the partition stays unready (`/readyz` names it),
+    nothing of it is consumed, and the restore completes when the broker is back."""
+    broker = stoppable_broker
+    unique = uuid.uuid4().hex[:10]
+    config = kafka_config(broker.bootstrap_servers, tmp_path / "one", unique, {
+        "q": {"handler": "flaky", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}",
+              "backoff": {"kind": "fixed", "base": "1h"}}}, kafka={"topic_partitions": 1}, telemetry={"port": 0})
+    ensure_topics(config)
+    produce(config, f"in-{unique}", [(f"k{i}".encode(), b'{"fail": 5}', []) for i in range(20)])
+    async with running_bridge(config) as first:
+        await wait_until(lambda: first.telemetry.metrics.tasks_created.labels("q", "PENDING")._value.get() == 20,
+                         within=60, what="20 tasks")
+    # The first bridge handed its tasks over (its file is empty); a second one on a fresh store restores them.
+    config = config.model_copy(update={"store": config.store.model_copy(update={"path": tmp_path / "two.db"})})
+    tp = (f"in-{unique}", 0)
+    async with running_bridge(config, instance_id="second") as second:
+        assert second.changelog is not None and second.health is not None
+        restore = second.changelog.restorer.restore
+        calls = 0
+
+        async def broker_goes_away(home: Any, wanted: Any = lambda: True) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                await asyncio.to_thread(broker.stop)
+            return await restore(home, wanted)
+
+        second.changelog.restorer.restore = broker_goes_away  # type: ignore[method-assign]
+        await wait_until(lambda: calls >= 2, within=90, what="the restore retried")
+        assert tp in second.consumer.restoring and not second.health.ready
+        assert second.consumer.stats["records"] == 0 and await second.store.counts() == {}
+        await asyncio.to_thread(broker.start)
+        await wait_until(lambda: second.consumer.owns(*tp), within=120, what="restored once the broker is back")
+        counts = await second.store.counts()
+        assert counts["q"]["PENDING"] == 20
+        await wait_until(lambda: second.health is not None and second.health.ready, within=60, what="ready")

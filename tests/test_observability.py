@@ -179,7 +179,8 @@ async def test_readyz_turns_false_when_the_store_cannot_be_written(kafka: KafkaE
         telemetry={"port": 0})
     async with running_bridge(config) as bridge:
         assert bridge.health is not None
-        await wait_until(lambda: bridge.health is not None and bridge.health.ready, within=30, what="ready")
+        await wait_until(lambda: bridge.health is not None and bridge.health.ready and all(
+            bridge.consumer.owns(f"in-{unique}", p) for p in range(3)), within=30, what="ready, partitions restored")
         await bridge.store.limit_size(await bridge.store.size_bytes())
         produce(config, f"in-{unique}", [(None, b"x" * 50_000, [])])
         await wait_until(lambda: bridge.health is not None and not bridge.health.ready, within=30, what="unready")
