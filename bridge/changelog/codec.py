@@ -8,10 +8,12 @@ task's durable transitions. A purged task's record is a tombstone (no value).
 from __future__ import annotations
 
 import base64
-import json
+import binascii
 import sqlite3
 from dataclasses import dataclass
 from typing import Any
+
+import orjson  # several times faster than json at both ends: restore speed is a partition's downtime
 
 SCHEMA = "rdq.task/v1"
 
@@ -24,6 +26,8 @@ _TASK_FIELDS = (
 _ATTEMPT_FIELDS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
                    "error_message", "error_stack", "worker", "late_result_of")
 _REDRIVE_FIELDS = ("redrive_no", "at", "by", "request_id", "key_id")
+_ATTEMPT_KEYS = frozenset(_ATTEMPT_FIELDS)
+_REDRIVE_KEYS = frozenset(_REDRIVE_FIELDS)
 _INTS = {"attempt_count", "redrive_count", "lease_token", "created_at", "life_started_at"}
 
 
@@ -34,7 +38,7 @@ class Unreadable(ValueError):
 def encode(task: sqlite3.Row | dict[str, Any], attempts: list[Any], redrives: list[Any],
            version: int, overrides: dict[str, Any] | None = None) -> bytes:
     body = {name: task[name] for name in _TASK_FIELDS}
-    body["headers"] = json.loads(task["headers"])
+    body["headers"] = orjson.loads(task["headers"])
     body["payload"] = base64.b64encode(bytes(task["payload"])).decode("ascii")
     if overrides:
         body.update(overrides)
@@ -45,7 +49,7 @@ def encode(task: sqlite3.Row | dict[str, Any], attempts: list[Any], redrives: li
         "attempts": [{name: a[name] for name in _ATTEMPT_FIELDS} for a in attempts],
         "redrives": [{name: r[name] for name in _REDRIVE_FIELDS} for r in redrives],
     }
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return orjson.dumps(record)
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class Restored:
 
 def decode(key: bytes | None, value: bytes) -> Restored:
     try:
-        record = json.loads(value)
+        record = orjson.loads(value)
         schema = record.get("schema") if isinstance(record, dict) else None
         if schema != SCHEMA:
             raise Unreadable(f"unknown schema {schema!r} (this bridge reads {SCHEMA})")
@@ -76,15 +80,18 @@ def decode(key: bytes | None, value: bytes) -> Restored:
         headers = body.get("headers") or {}
         if not isinstance(headers, dict):
             raise Unreadable("headers is not an object")
-        task["headers"] = json.dumps({str(k): str(v) for k, v in headers.items()}, separators=(",", ":"))
+        task["headers"] = orjson.dumps({str(k): str(v) for k, v in headers.items()}).decode()
         task["payload"] = base64.b64decode(body["payload"], validate=True)
         task["payload_content_type"] = task["payload_content_type"] or "application/octet-stream"
         source = headers.get("rdq.source")
         task["source_ref"] = None if source is None else f"{source}@{headers.get('rdq.kafka.timestamp', '')}"
-        attempts = [{"task_id": task["id"], **{n: a.get(n) for n in _ATTEMPT_FIELDS}} for a in record["attempts"]]
-        redrives = [{"task_id": task["id"], **{n: r.get(n) for n in _REDRIVE_FIELDS}} for r in record["redrives"]]
+        attempts, redrives = record["attempts"], record["redrives"]
+        for entry, fields in [*((a, _ATTEMPT_KEYS) for a in attempts), *((r, _REDRIVE_KEYS) for r in redrives)]:
+            if not fields <= entry.keys():
+                raise Unreadable(f"an attempt or redrive lacks {sorted(fields - entry.keys())}")
+            entry["task_id"] = task["id"]
         return Restored(task, attempts, redrives, version)
     except Unreadable:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # json, base64, int(), missing fields
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as e:  # json, base64, int(), fields
         raise Unreadable(f"{type(e).__name__}: {e}") from e

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bridge.changelog.codec import Unreadable, decode, encode
+from bridge.changelog.codec import Restored, Unreadable, decode, encode
 from bridge.queries import q
 from bridge.store import Store
 
@@ -143,17 +143,21 @@ class LocalIndex:
 
     async def restore_batch(self, home: Home, changelog_topic: str,
                             records: list[tuple[int, bytes | None, bytes | None]], seen: set[str], now: int,
-                            errors: list[str]) -> RestoreBatch:
+                            errors: list[str], existing: frozenset[str] = frozenset()) -> RestoreBatch:
         """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
-        is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore."""
+        is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore.
+
+        In bulk: only each task's last record in the batch counts (a later one holds its whole state), and the
+        batch's tasks are replaced with a few `executemany`, not statement by statement."""
         result = RestoreBatch()
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
+            last: dict[str, Restored | None] = {}
             for offset, key, value in records:
                 if value is None:
                     task_id = (key or b"").decode("utf-8", "replace")
-                    self._delete(conn, task_id)
-                    seen.discard(task_id)
+                    last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
+                    last[task_id] = None
                     result.tombstones += 1
                     continue
                 try:
@@ -165,22 +169,37 @@ class LocalIndex:
                     errors.append(f"{changelog_topic}/{home[1]}/{offset}: {e}")
                     result.unreadable += 1
                     continue
-                self._upsert(conn, restored.task, restored.attempts, restored.redrives, restored.version)
-                seen.add(restored.task["id"])
+                last.pop(restored.task["id"], None)
+                last[restored.task["id"]] = restored
                 result.applied += 1
+            self._replace(conn, last, seen | existing)
+            for task_id, state in last.items():
+                if state is None:
+                    seen.discard(task_id)
+                else:
+                    seen.add(task_id)
             return result
 
         return await self.store._submit(apply)
 
-    def _upsert(self, conn: sqlite3.Connection, task: dict[str, Any], attempts: list[dict[str, Any]],
-                redrives: list[dict[str, Any]], version: int) -> None:
-        if task["source_ref"] is not None:
-            for (twin,) in conn.execute(q("restore_delete_source_twin"), task).fetchall():
-                self._delete_history(conn, twin)
-        conn.execute(q("restore_task"), {**task, "version": version})
-        self._delete_history(conn, task["id"])
-        conn.executemany(q("insert_attempt_copy"), attempts)
-        conn.executemany(q("restore_insert_redrive"), redrives)
+    def _replace(self, conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> None:
+        """`known`: the tasks this file may hold (found at the start of the restore, or restored since); the
+        others are new here: nothing to delete first."""
+        ids = [{"id": i} for i in last if i in known]
+        conn.executemany(q("delete_attempts"), ids)
+        conn.executemany(q("delete_redrives"), ids)
+        conn.executemany(q("delete_task"), ids)
+        kept = [r for r in last.values() if r is not None]
+        # A local task for the same source record under another id gives way (the changelog wins).
+        refs = [r.task["source_ref"] for r in kept if r.task["source_ref"] is not None]
+        for start in range(0, len(refs), 500):
+            chunk = refs[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for (twin,) in conn.execute(q("source_ref_holders").replace(":refs", marks), chunk).fetchall():
+                self._delete(conn, twin)
+        conn.executemany(q("restore_task"), [{**r.task, "version": r.version} for r in kept])
+        conn.executemany(q("insert_attempt_copy"), [a for r in kept for a in r.attempts])
+        conn.executemany(q("restore_insert_redrive"), [x for r in kept for x in r.redrives])
 
     @staticmethod
     def _delete_history(conn: sqlite3.Connection, task_id: str) -> None:
@@ -190,6 +209,11 @@ class LocalIndex:
     def _delete(self, conn: sqlite3.Connection, task_id: str) -> None:
         conn.execute(q("delete_task"), {"id": task_id})
         self._delete_history(conn, task_id)
+
+    async def home_ids(self, home: Home) -> frozenset[str]:
+        params = {"topic": home[0], "partition": home[1]}
+        rows = await self.store._read(lambda c: c.execute(q("home_task_ids"), params).fetchall())
+        return frozenset(r[0] for r in rows)
 
     async def restore_finish(self, home: Home, seen: set[str]) -> int:
         """After a restore from the beginning: a task the changelog had logged but no longer holds was purged

@@ -70,8 +70,9 @@ class Restorer:
             seen: set[str] = set()
             counts = {"tasks": 0, "tombstones": 0, "unreadable": 0, "records": 0}
             if high > low:
+                existing = await self.local.home_ids(home)
                 await self._call(consumer.assign, [TopicPartition(topic, home[1], OFFSET_BEGINNING)])
-                await self._read_until(consumer, home, topic, high, seen, counts, wanted)
+                await self._read_until(consumer, home, topic, high, seen, counts, wanted, existing)
             dropped = await self.local.restore_finish(home, seen)
         finally:
             await self._call(consumer.close)
@@ -80,7 +81,7 @@ class Restorer:
         return report
 
     async def _read_until(self, consumer: Consumer, home: Home, topic: str, end: int, seen: set[str],
-                          counts: dict[str, int], wanted: Callable[[], bool]) -> None:
+                          counts: dict[str, int], wanted: Callable[[], bool], existing: frozenset[str]) -> None:
         reached = -1
         last_progress = time.monotonic()
         errors: list[str] = []
@@ -100,7 +101,8 @@ class Restorer:
                     log.warning("restoring %s/%d: %s", topic, home[1], error)
             if batch:
                 last_progress = time.monotonic()
-                applied = await self.local.restore_batch(home, topic, batch, seen, self.clock.now_ms(), errors)
+                applied = await self.local.restore_batch(home, topic, batch, seen, self.clock.now_ms(), errors,
+                                                         existing)
                 counts["tasks"] += applied.applied
                 counts["tombstones"] += applied.tombstones
                 counts["unreadable"] += applied.unreadable

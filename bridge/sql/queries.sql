@@ -382,9 +382,9 @@ SELECT id, logged_version FROM tasks WHERE home_topic = :topic AND home_partitio
 -- name: homes_present
 SELECT DISTINCT home_topic, home_partition FROM tasks WHERE home_topic IS NOT NULL;
 
--- name: restore_delete_source_twin
--- The changelog wins: a local task for the same source record under another id gives way.
-DELETE FROM tasks WHERE source_ref = :source_ref AND id != :id RETURNING id;
+-- name: source_ref_holders
+-- The tasks standing for these source records (:refs is expanded to one placeholder per reference).
+SELECT id FROM tasks WHERE source_ref IN (:refs);
 
 -- name: delete_task
 DELETE FROM tasks WHERE id = :id;
