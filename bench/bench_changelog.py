@@ -103,7 +103,8 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5) -> None:
         store = await Store.open(config.store.path, scoped=True)
         local = LocalIndex(store)
         await local.set_changelogged([topic])
-        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "bench"), _Clock())
+        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "bench"), _Clock(),
+                            lambda: make_restore_consumer(config, "bench", committed_only=False))
         began = time.perf_counter()
         report = await restorer.restore((topic, 0))
         await local.set_home((topic, 0), "active")

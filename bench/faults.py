@@ -141,7 +141,8 @@ def sigkill(bootstrap: str, tmp: Path, quick: bool) -> Row:
         "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 4, "lease": "5s",
                   "backoff": {"kind": "fixed", "base": "100ms"}}},
         kafka={"topic_partitions": 6,
-               "consumer": {"group.instance.id": f"faults-{unique}", "session.timeout.ms": 10000}})
+               "consumer": {"group.instance.id": f"faults-{unique}", "session.timeout.ms": 10000}},
+        engine={"instance_id": f"faults-{unique}"})  # stable, as group.instance.id: see transactional_id
     ensure_topics(config)
     payloads = mixed(n, random.Random(20))
     feeder = feed(config, topic, payloads, per_second=max(200, n // (kills * 3)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import socket
 import time
 import uuid
 from typing import Any
@@ -48,22 +50,34 @@ def make_dlq_producer(config: BridgeConfig, batch_bytes: int) -> Producer:
                                     "batch.size": batch_bytes})
 
 
-def make_changelog_producer(config: BridgeConfig, instance_id: str, batch_bytes: int) -> Producer:
-    """The transactional producer of the changelog, the DLQ and the source offsets (SPEC §10). Its id is the
-    instance's: a restarted instance with the same id aborts its predecessor's open transaction at once; a
-    crashed one's is aborted by the broker after `transaction.timeout.ms` (restores wait for it)."""
+def transactional_id(config: BridgeConfig) -> str:
+    """Stable across restarts of one instance: `engine.instance_id` if set, else this host and store file. A
+    restarted instance then aborts its predecessor's open transaction at once (init_transactions fences it);
+    with a new id (a new host, a fresh volume) the broker aborts it after `transaction.timeout.ms`, and restores
+    of the partitions it wrote wait until then."""
+    identity = config.engine.instance_id
+    if identity is None:
+        where = hashlib.sha256(str(config.store.path.resolve()).encode()).hexdigest()[:12]
+        identity = f"{socket.gethostname()}-{where}"
+    return f"rdq-{config.kafka.group_id}-{identity}"
+
+
+def make_changelog_producer(config: BridgeConfig, batch_bytes: int) -> Producer:
+    """The transactional producer of the changelog, the DLQ and the source offsets (SPEC §10)."""
     return make_producer(config, **{
-        "transactional.id": f"rdq-{config.kafka.group_id}-{instance_id}",
+        "transactional.id": transactional_id(config),
         "transaction.timeout.ms": 10_000,
         "message.max.bytes": config.kafka.dlq_max_message_bytes,
         "batch.size": batch_bytes,
     })
 
 
-def make_restore_consumer(config: BridgeConfig, instance_id: str) -> Consumer:
-    """Reads changelog partitions by assignment (no group), committed transactions only."""
+def make_restore_consumer(config: BridgeConfig, instance_id: str, committed_only: bool = True) -> Consumer:
+    """Reads changelog partitions by assignment (no group), committed transactions only (`committed_only=False`:
+    to ask a partition's high watermark)."""
+    isolation = "read_committed" if committed_only else "read_uncommitted"
     return Consumer({**_base(config), "group.id": f"rdq-restore-{instance_id}", "enable.auto.commit": False,
-                     "isolation.level": "read_committed", "enable.partition.eof": True,
+                     "isolation.level": isolation, "enable.partition.eof": True,
                      "auto.offset.reset": "earliest", "fetch.max.bytes": 64 * 1024 * 1024,
                      "max.partition.fetch.bytes": 16 * 1024 * 1024})
 

@@ -130,12 +130,13 @@ class Bridge:
         def producer() -> Producer:
             # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
             limits = [self.dlq._topic_limit(config.dlq_topic(q)) for q in config.queues]
-            return make_changelog_producer(config, instance, min([1_000_000, *limits]))
+            return make_changelog_producer(config, min([1_000_000, *limits]))
 
         writer = ChangelogWriter(local, topics, producer, lambda: self.consumer.commit_positions(),
                                  lambda: self.consumer.group_metadata(), self.engine.clock,
                                  config.store.changelog_commit_interval, self.telemetry)
-        restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock)
+        restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
+                            lambda: make_restore_consumer(config, instance, committed_only=False))
 
         async def ensure_topics() -> dict[str, str]:
             # A source topic created after the start: its changelog too (the writer and restorer share `topics`).

@@ -44,11 +44,15 @@ class RestoreFailed(RuntimeError):
 
 class Restorer:
     def __init__(self, local: LocalIndex, topics: dict[str, str], consumer_factory: Callable[[], Consumer],
-                 clock: Clock) -> None:
+                 clock: Clock, end_factory: Callable[[], Consumer] | None = None) -> None:
         self.local = local
         self.topics = topics
         self.clock = clock
         self._consumer_factory = consumer_factory
+        # The end of a changelog partition is its high watermark, asked with read_uncommitted: a read_committed
+        # consumer's "end" is the last stable offset, which stops short of everything committed after an open
+        # transaction (a crashed owner's), and a restore that stopped there would miss it.
+        self._end_factory = end_factory or consumer_factory
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-restore")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -64,7 +68,7 @@ class Restorer:
         try:
             tp = TopicPartition(topic, home[1])
             try:
-                low, high = await self._call(consumer.get_watermark_offsets, tp, 10.0)
+                low, high = await self._call(self._end_of, tp)
             except Exception as e:
                 raise RestoreFailed(f"{topic}/{home[1]}: cannot read the changelog's end: {e}") from e
             seen: set[str] = set()
@@ -79,6 +83,14 @@ class Restorer:
         report = RestoreReport(home, counts["tasks"], counts["tombstones"], counts["unreadable"], dropped,
                                time.monotonic() - began, counts["records"])
         return report
+
+    def _end_of(self, tp: TopicPartition) -> tuple[int, int]:
+        probe = self._end_factory()
+        try:
+            low, high = probe.get_watermark_offsets(tp, 10.0, cached=False)
+            return int(low), int(high)
+        finally:
+            probe.close()
 
     async def _read_until(self, consumer: Consumer, home: Home, topic: str, end: int, seen: set[str],
                           counts: dict[str, int], wanted: Callable[[], bool], existing: frozenset[str]) -> None:
@@ -112,9 +124,11 @@ class Restorer:
                               why)
                 errors.clear()
             elif time.monotonic() - last_progress > _STALL_WARN:
-                position = (await self._call(consumer.position, [TopicPartition(topic, home[1])]))[0].offset
-                if position >= end:
-                    return  # only control records (transaction markers) were left
+                tp = TopicPartition(topic, home[1])
+                position = (await self._call(consumer.position, [tp]))[0].offset
+                _, stable = await self._call(consumer.get_watermark_offsets, tp, 10.0, False)
+                if position >= end or (stable >= end and reached >= 0):
+                    return  # nothing open before the end, and nothing came for a while: only markers were left
                 log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous "
                             "owner holds it until the broker aborts it)", topic, home[1], max(reached, position), end)
                 last_progress = time.monotonic()
