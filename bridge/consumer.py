@@ -99,6 +99,9 @@ class SourceConsumer:
         self._baseline: dict[TP, int] = {}  # committed offset found at assignment
         self._restores: set[asyncio.Task[None]] = set()
         self._restored: dict[TP, dict[str, Any]] = {}  # the last restore of each partition: tasks, seconds
+        # Both replaced whole on the consumer thread (rebalance callbacks), read by the changelog writer's thread.
+        self._metadata: Any | None = None
+        self._writable: frozenset[TP] = frozenset()
         self.stats = {"records": 0, "suspects": 0}
 
     # ---- plumbing ------------------------------------------------------------------------------------------
@@ -145,12 +148,20 @@ class SourceConsumer:
                 "transactions": dict(self.changelog.writer.stats)}
 
     def group_metadata(self) -> Any | None:
-        return None if self._consumer is None else self._consumer.consumer_group_metadata()
+        """The group metadata of the generation that gave this instance its partitions (taken in the rebalance
+        callbacks, not live): once the member is fenced and rejoins, the live one would be valid again while
+        this instance has not yet let go of what it lost — and the coordinator checks generations, not which
+        member owns a partition. None after a loss, until the next assignment."""
+        return self._metadata
+
+    def writable(self) -> frozenset[TP]:
+        """The partitions whose tasks and offsets this instance may write now (set on the consumer thread)."""
+        return self._writable
 
     def commit_positions(self) -> dict[TP, int]:
         """What the changelog writer commits for each owned partition: the highest contiguous done offset."""
         out = {}
-        for tp in self._assigned - self._restoring:
+        for tp in (self._assigned - self._restoring) & self._writable:
             tracker = self._trackers.get(tp)
             offset = tracker.commit_offset() if tracker is not None else None
             if offset is None:
@@ -382,6 +393,8 @@ class SourceConsumer:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         assert self._loop is not None
+        self._metadata = consumer.consumer_group_metadata()  # every rebalance is a new generation
+        self._writable = self._writable | tps
         if self.changelog is not None:
             self._restoring |= tps  # set here, on the consumer thread: no record of theirs starts before restored
             self._loop.call_soon_threadsafe(self._start_restore, tps)
@@ -455,12 +468,15 @@ class SourceConsumer:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         assert self._loop is not None
+        self._metadata = consumer.consumer_group_metadata()  # the generation that revokes them: still ours
         future = asyncio.run_coroutine_threadsafe(self._release(tps), self._loop)
         try:
             offsets = future.result(self.grace_period + _FLUSH_TIMEOUT + 5)
         except Exception:
             log.exception("could not drain revoked partitions; their uncommitted records will be redelivered")
             return
+        finally:
+            self._writable = self._writable - tps
         if offsets and self.changelog is None:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
@@ -471,6 +487,10 @@ class SourceConsumer:
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         assert self._loop is not None
+        # At once, on this thread: the writer must not write a lost partition's tasks or offsets, not even in a
+        # round already under way (it filters with these at produce time), before _lose has dropped them.
+        self._writable = self._writable - tps
+        self._metadata = None
         asyncio.run_coroutine_threadsafe(self._lose(tps), self._loop)
         log.warning("partitions lost %s: their uncommitted records will be redelivered", sorted(tps))
 

@@ -134,7 +134,8 @@ class Bridge:
 
         writer = ChangelogWriter(local, topics, producer, lambda: self.consumer.commit_positions(),
                                  lambda: self.consumer.group_metadata(), self.engine.clock,
-                                 config.store.changelog_commit_interval, self.telemetry)
+                                 config.store.changelog_commit_interval, self.telemetry,
+                                 lambda: self.consumer.writable())
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
                             lambda: make_restore_consumer(config, instance, committed_only=False))
 

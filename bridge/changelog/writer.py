@@ -85,7 +85,8 @@ class _Round:
 class ChangelogWriter:
     def __init__(self, local: LocalIndex, topics: dict[str, str], producer_factory: Callable[[], Producer],
                  offsets: Callable[[], dict[Home, int]], group_metadata: Callable[[], Any | None], clock: Clock,
-                 interval: float = 0.1, telemetry: Telemetry | None = None) -> None:
+                 interval: float = 0.1, telemetry: Telemetry | None = None,
+                 writable: Callable[[], frozenset[Home]] | None = None) -> None:
         self.local = local
         self.topics = topics  # source topic → changelog topic
         self.clock = clock
@@ -94,6 +95,7 @@ class ChangelogWriter:
         self._producer_factory = producer_factory
         self._offsets = offsets
         self._group_metadata = group_metadata
+        self._writable = writable  # None: every home in the outbox (tests of the writer alone)
         self._producer: Producer | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-changelog")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +181,7 @@ class ChangelogWriter:
             work = _Round(entries=entries)
             try:
                 await self._call(self._begin_and_send_dlq, [])
-                await self._call(self._send_and_commit, work)
+                await self._call(self._send_and_commit, work, True)
             except KafkaException as e:
                 await self._abort_or_restart(e.args[0] if e.args else e)
                 log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
@@ -261,14 +263,24 @@ class ChangelogWriter:
         else:
             item.delivered = (msg.partition(), msg.offset())
 
-    def _send_and_commit(self, work: _Round) -> None:
+    def _send_and_commit(self, work: _Round, unfenced: bool = False) -> None:
+        """`unfenced`: the one-time push of a store from before the changelog (new task ids, no offsets)."""
         assert self._producer is not None
-        for entry in [*work.dlq_entries, *work.entries]:
+        metadata = None if unfenced else self._group_metadata()
+        writable = self._writable() if self._writable is not None else None
+        homed = [*work.dlq_entries, *work.entries]
+        if homed and not unfenced and (metadata is None or not work.offsets):
+            # Never unfenced: without the group metadata of an assignment (and offsets to send with it) nothing
+            # proves these partitions are still ours.
+            raise KafkaException(KafkaError(KafkaError._FENCED, "no current assignment to fence this write"))
+        if writable is not None and not unfenced and any(e.home not in writable for e in homed):
+            # A partition lost since this round read its outbox: not one record of this round goes out.
+            raise KafkaException(KafkaError(KafkaError._FENCED, "a partition of this round is no longer ours"))
+        for entry in homed:
             topic = self.topics.get(entry.home[0])
             if topic is None:
                 continue  # a home outside this config's sources: never active, cannot happen
             self._producer.produce(topic, key=entry.task_id.encode(), value=entry.value, partition=entry.home[1])
-        metadata = self._group_metadata()
         began = time.monotonic()
         if work.offsets and metadata is not None:
             offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
