@@ -518,9 +518,29 @@ class SourceConsumer:
         if self.changelog is not None:
             # One grace period for the first deliveries and the retries together.
             await self._hand_over(tps - restoring, max(0.0, self.grace_period - (time.monotonic() - began)))
+            for tp in restoring:  # what a restore cut short put in this file: the changelog has it all
+                await self._changelog_call(self.changelog.local.drop_home(tp))
         offsets = self._commit_offsets(tps, only_new=False)
         await self._forget(tps)
         return offsets
+
+    async def _stop_restores(self) -> None:
+        for task in list(self._restores):
+            task.cancel()
+        if self._restores:
+            await asyncio.wait(list(self._restores), timeout=5.0)
+
+    async def _serve_rebalance_until_flushed(self, tries: int = 10) -> None:
+        """A stop that lands in a rebalance (another instance just left): the group moved to a new generation
+        this instance has not joined, so its transactions are refused as stale. Take part in the rebalance (its
+        callbacks hand over what moves and refresh the generation) without handling what it fetches — those
+        records stay uncommitted for their next owner — until a flush commits."""
+        assert self.changelog is not None and self._consumer is not None
+        for _ in range(tries):
+            if not self._assigned or await self.changelog.writer.flush():
+                return
+            log.info("stopping during a rebalance: joining it before the last changelog flush")
+            await self._call(self._consumer.consume, 100, 0.5)  # rebalance callbacks run in here
 
     async def _hand_over(self, tps: set[TP], grace: float) -> None:
         """Revoked partitions' tasks: running attempts finish (or are released), the changelog is flushed with
@@ -587,11 +607,12 @@ class SourceConsumer:
         late: set[asyncio.Task[None]] = set()
         if running:
             _, late = await asyncio.wait(running, timeout=self.grace_period)
-        for task in list(self._restores):
-            task.cancel()
+        await self._stop_restores()
         if self.changelog is not None and self._consumer is not None and self._assigned:
             # Hand everything over while the group is stable, as Kafka Streams commits before closing its
             # consumer: inside close() the group is already rebalancing and a transaction's offsets wait for it.
+            await self._serve_rebalance_until_flushed()
+            await self._stop_restores()  # the rebalance may have assigned more: not restored, handed back
             await self._release(set(self._assigned))
         if self._consumer is not None:
             offsets = self._commit_offsets(only_new=False)
