@@ -220,7 +220,7 @@ class ChangelogWriter:
         try:
             await self._call(self._begin_and_send_dlq, work.dlq)
             for item in work.dlq:
-                if item.delivered is not None and item.home is not None:
+                if item.delivered is not None and item.home is not None and item.home[0] in self.topics:
                     entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
                                                                 self.clock.now_ms())
                     if entry is not None:
@@ -268,7 +268,7 @@ class ChangelogWriter:
         assert self._producer is not None
         metadata = None if unfenced else self._group_metadata()
         writable = self._writable() if self._writable is not None else None
-        homed = [*work.dlq_entries, *work.entries]
+        homed = [e for e in [*work.dlq_entries, *work.entries] if e.home[0] in self.topics]
         if homed and not unfenced and (metadata is None or not work.offsets):
             # Never unfenced: without the group metadata of an assignment (and offsets to send with it) nothing
             # proves these partitions are still ours.
@@ -276,11 +276,9 @@ class ChangelogWriter:
         if writable is not None and not unfenced and any(e.home not in writable for e in homed):
             # A partition lost since this round read its outbox: not one record of this round goes out.
             raise KafkaException(KafkaError(KafkaError._FENCED, "a partition of this round is no longer ours"))
-        for entry in homed:
-            topic = self.topics.get(entry.home[0])
-            if topic is None:
-                continue  # a home outside this config's sources: never active, cannot happen
-            self._producer.produce(topic, key=entry.task_id.encode(), value=entry.value, partition=entry.home[1])
+        for entry in homed:  # a task whose topic has no changelog here stays in its file only
+            self._producer.produce(self.topics[entry.home[0]], key=entry.task_id.encode(), value=entry.value,
+                                   partition=entry.home[1])
         began = time.monotonic()
         if work.offsets and metadata is not None:
             offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
