@@ -104,7 +104,6 @@ class ChangelogWriter:
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        self.ready = asyncio.Event()  # the transactional producer is initialised
         self.healthy = True
         self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
 
@@ -165,7 +164,6 @@ class ChangelogWriter:
                 await self._call(producer.init_transactions, 30.0)
                 self._producer = producer
                 await self._push_premigration()
-                self.ready.set()
                 return
             except KafkaException as e:
                 log.warning("changelog producer cannot start its transactions yet (retrying): %s", e)
@@ -345,7 +343,6 @@ class ChangelogWriter:
                     return
         log.warning("changelog producer hit a fatal error; starting a new one: %s", error)
         self._producer = None
-        self.ready.clear()
         stop = asyncio.Event()
         await self._start_producer(stop)
 
