@@ -1,6 +1,7 @@
 """Kafka-path benchmarks (issue 8), each against a baseline measured in the same run on the same broker.
 
     python -m bench.bench_kafka happy   [--n 100000]   # bridge + ok handler vs a bare consume/commit loop
+                                                     # (sync, async, traced, traced with a 1% sampler)
     python -m bench.bench_kafka failure [--n 20000]    # every first attempt fails → durable tasks, vs SQLite
     python -m bench.bench_kafka dlq     [--n 5000]     # DEAD tasks (5 attempts) published, vs a bare producer
     python -m bench.bench_kafka e2e     [--n 2000]     # first failure → successful retry, zero backoff
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -29,8 +32,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 import handlers  # noqa: F401 - the example handlers
 from bench.bench_engine import new_failures, plain_inserts
-from bench.common import percentile, record
-from bridge.config import BridgeConfig, parse_config
+from bench.common import percentile, record, rss_mib
+from bridge.config import BridgeConfig, TelemetryConfig, parse_config
 from bridge.dlq import DlqPublisher, build_record
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics, make_admin, make_dlq_producer
@@ -39,7 +42,7 @@ from bridge.queries import q
 from bridge.registry import REGISTRY, Registry
 from bridge.service import Bridge, open_bridge
 from bridge.store import Store
-from bridge.telemetry import Telemetry
+from bridge.telemetry import Telemetry, sampler
 from localkafka import LocalBroker
 
 PAYLOAD = b'{"fail": 0, "pad": "' + b"x" * 1000 + b'"}'  # ~1 KB
@@ -87,12 +90,6 @@ class DropExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def traced() -> Telemetry:
-    provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(DropExporter(), max_queue_size=200_000))
-    return Telemetry(provider=provider)
-
-
 async def run_bridge_until(config: BridgeConfig, done: Any, registry: Registry | None = None,
                            telemetry: Telemetry | None = None, within: float = 600) -> tuple[float, Bridge]:
     bridge = await open_bridge(config, registry or REGISTRY, instance_id="bench", telemetry=telemetry)
@@ -120,10 +117,54 @@ def records_handled(bridge: Bridge) -> float:
 # ---- 1. happy path ------------------------------------------------------------------------------------------
 
 
-def bare_loop(bootstrap: str, topic: str, n: int) -> float:
-    """What a user would otherwise run: consume in batches, run the handler, store offsets, auto-commit."""
+class Finished:
+    """Counts records whose handler finished and when the first and the n-th did: the rate between them is the
+    steady-state rate (startup, group join and restore are reported apart). The bare loop and the bridge run
+    the same handler wrapped in the same counter."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._count = itertools.count(1)  # next() on it is atomic in CPython: handler threads may race
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def __call__(self) -> None:
+        i = next(self._count)
+        if i == 1:
+            self.first = time.perf_counter()
+        elif i == self.n:
+            self.last = time.perf_counter()
+
+    def rate(self) -> float:
+        assert self.first is not None and self.last is not None
+        return (self.n - 1) / (self.last - self.first)
+
+
+def counted_ok(finished: Finished, kind: str = "sync") -> Registry:
     ok = REGISTRY.get("ok")
     assert ok is not None
+    registry = Registry()
+    if kind == "sync":
+        def ok_sync(ctx: HandlerContext) -> None:
+            ok.fn(ctx)
+            finished()
+
+        registry.register("ok", ok_sync)
+    else:
+        async def ok_async(ctx: HandlerContext) -> None:
+            ok.fn(ctx)  # the same work, on the loop
+            finished()
+
+        registry.register("ok", ok_async)
+    return registry
+
+
+def bare_loop(bootstrap: str, topic: str, n: int) -> tuple[float, float]:
+    """What a user would otherwise run: consume in batches, run the handler, store offsets, auto-commit.
+    Returns (steady-state records/s, seconds from subscribe to the n-th record)."""
+    ok = REGISTRY.get("ok")
+    assert ok is not None
+    finished = Finished(n)
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bare-{uuid.uuid4().hex}",
                          "auto.offset.reset": "earliest", "enable.auto.offset.store": False,
                          "partition.assignment.strategy": "cooperative-sticky"})
@@ -137,12 +178,13 @@ def bare_loop(bootstrap: str, topic: str, n: int) -> float:
                 continue
             source = f"kafka://{msg.topic()}/{msg.partition()}/{msg.offset()}"
             ok.fn(HandlerContext("t", "q", 1, 0, msg.value(), "application/json", {"rdq.source": source}))
+            finished()
             seen += 1
         if messages:
             _store_last(consumer, messages)
     elapsed = time.perf_counter() - began
     consumer.close()
-    return n / elapsed
+    return finished.rate(), elapsed
 
 
 def _store_last(consumer: Consumer, messages: list[Any]) -> None:
@@ -154,36 +196,73 @@ def _store_last(consumer: Consumer, messages: list[Any]) -> None:
         consumer.store_offsets(message=msg)
 
 
-async def bench_happy(bootstrap: str, n: int) -> None:
+def traced(sample_ratio: float = 1.0) -> Telemetry:
+    """Tracing on: the SDK with the bridge's parent-based sampler and a batch processor whose exporter drops
+    the spans (the cost of making spans, not of shipping them)."""
+    provider = TracerProvider(sampler=sampler(sample_ratio))
+    provider.add_span_processor(BatchSpanProcessor(DropExporter(), max_queue_size=200_000))
+    return Telemetry(TelemetryConfig(sample_ratio=sample_ratio), provider=provider)
+
+
+HAPPY_VARIANTS: dict[str, str] = {
+    "sync": "sync ok handler, tracing off (the default)",
+    "async": "async ok handler, tracing off",
+    "traced": "sync ok handler, tracing on, every record sampled",
+    "traced-1%": "sync ok handler, tracing on, parent-based 1% ratio sampler",
+}
+
+
+async def happy_variant(config: BridgeConfig, variant: str, n: int) -> tuple[float, float]:
+    """One bridge run over the topic in a fresh group: (steady-state records/s, seconds to the n-th record)."""
+    finished = Finished(n)
+    registry = counted_ok(finished, "async" if variant == "async" else "sync")
+    telemetry = traced(0.01 if variant == "traced-1%" else 1.0) if variant.startswith("traced") else None
+
+    async def all_finished(bridge: Bridge) -> bool:
+        return finished.last is not None
+
+    elapsed, _ = await run_bridge_until(regrouped(config, variant), all_finished, registry, telemetry=telemetry)
+    return finished.rate(), elapsed
+
+
+async def bench_happy(bootstrap: str, n: int, runs: int) -> None:
+    ratios: dict[str, list[float]] = {v: [] for v in HAPPY_VARIANTS}
+    rates: dict[str, list[float]] = {v: [] for v in ["bare", *HAPPY_VARIANTS]}
+    walls: dict[str, list[float]] = {v: [] for v in ["bare", *HAPPY_VARIANTS]}
+    rss: list[float] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
         topic = config.queues["q"].sources[0]
         ensure_topics(config)
         produce(bootstrap, topic, n)
-        bare = await asyncio.to_thread(bare_loop, bootstrap, topic, n)
+        for run in range(runs):
+            bare, wall = await asyncio.to_thread(bare_loop, bootstrap, topic, n)
+            rates["bare"].append(bare)
+            walls["bare"].append(wall)
+            for variant in HAPPY_VARIANTS:
+                rate, wall = await happy_variant(regrouped(config, f"r{run}"), variant, n)
+                rates[variant].append(rate)
+                walls[variant].append(wall)
+                ratios[variant].append(rate / bare)
+            rss.append(rss_mib())
+    goals = {"sync": ">= 0.8", "async": ">= 0.9", "traced": ">= 0.5", "traced-1%": ">= 0.75"}
+    lines = [f"records: {n} x 1 KB, {PARTITIONS} partitions, one broker on this machine; {runs} runs, each: the "
+             "bare loop, then the bridge (production defaults, changelog on) in a fresh group per variant",
+             "rate: records whose handler finished, between the first and the n-th (steady state); wall: from the "
+             "start (subscribe / bridge.run) to the n-th, startup and group join included",
+             f"bare confluent-kafka loop (batch consume, handler inline, store_offsets): {_spread(rates['bare'])} "
+             f"records/s, wall {_spread(walls['bare'], '.1f')} s"]
+    for variant, label in HAPPY_VARIANTS.items():
+        lines.append(f"bridge, {label}: {_spread(rates[variant])} records/s, wall {_spread(walls[variant], '.1f')} s; "
+                     f"ratio min/median/max {_spread(ratios[variant], '.2f')}  (goal {goals[variant]})")
+    lines.append(f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB")
+    record("happy path: bridge (ok handler) vs a bare consume/commit loop", lines)
 
-        async def all_seen(bridge: Bridge) -> bool:
-            return records_handled(bridge) >= n
 
-        off, _ = await run_bridge_until(config, all_seen)
-        on, _ = await run_bridge_until(regrouped(config, "traced"), all_seen, telemetry=traced())
-        registry = Registry()
-
-        async def ok_async(ctx: HandlerContext) -> None:
-            REGISTRY.get("ok").fn(ctx)  # type: ignore[union-attr]  # the same work, on the loop
-
-        registry.register("ok", ok_async)
-        wide = regrouped(config, "async", partition_concurrency=64)
-        async_ok, _ = await run_bridge_until(wide, all_seen, registry)
-    record("happy path: bridge (ok handler) vs a bare consume/commit loop", [
-        f"records: {n} x 1 KB, {PARTITIONS} partitions, one broker on this machine",
-        f"bare confluent-kafka loop (batch consume, handler inline, store_offsets): {bare:9.0f} records/s",
-        f"bridge, sync ok handler (thread pool), tracing off: {n / off:9.0f} records/s   ratio {n / off / bare:.2f}"
-        "  (goal >= 0.8)",
-        f"bridge, sync ok handler (thread pool), tracing on:  {n / on:9.0f} records/s   ratio {n / on / bare:.2f}",
-        f"bridge, async ok handler, partition_concurrency 64: {n / async_ok:9.0f} records/s   "
-        f"ratio {n / async_ok / bare:.2f}",
-    ])
+def _spread(values: list[float], fmt: str = ".0f") -> str:
+    """min/median/max of a few runs."""
+    ordered = sorted(values)
+    return "/".join(format(v, fmt) for v in (ordered[0], statistics.median(ordered), ordered[-1]))
 
 
 def regrouped(config: BridgeConfig, suffix: str, **kafka: Any) -> BridgeConfig:
@@ -349,10 +428,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=["happy", "failure", "dlq", "e2e", "all"])
     parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=3, help="runs per figure (min/median/max reported)")
     args = parser.parse_args()
     with broker() as bootstrap:
         if args.which in ("happy", "all"):
-            asyncio.run(bench_happy(bootstrap, args.n or 100_000))
+            asyncio.run(bench_happy(bootstrap, args.n or 100_000, args.runs))
         if args.which in ("failure", "all"):
             asyncio.run(bench_failure(bootstrap, args.n or 20_000))
         if args.which in ("dlq", "all"):

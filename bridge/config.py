@@ -80,6 +80,10 @@ class KafkaConfig(_Model):
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
     # Records of one partition handled at once on first delivery (SPEC §5.2).
     partition_concurrency: int = Field(default=16, ge=1, le=10_000)
+    # Memory for fetched records not yet handled, in MB: half is librdkafka's prefetch queue
+    # (queued.max.messages.kbytes), half the bridge's own backlog, shared by the assigned partitions (a partition
+    # past its share is paused until it drains).
+    max_buffered_mb: float = Field(default=64.0, ge=1.0, le=65_536.0)
     # Topics the dev launcher / `rdq topics` create when missing.
     topic_partitions: int = Field(default=3, ge=1)
     topic_replication_factor: int = Field(default=1, ge=1)
@@ -252,6 +256,10 @@ class AdminConfig(_Model):
 class TelemetryConfig(_Model):
     tracing: Literal["none", "console", "otlp"] = "none"
     otlp_endpoint: str | None = None
+    # The sampler is parent-based: a record that carries a traceparent is traced when its producer sampled it
+    # (flag 01) and not otherwise; a record without one starts a trace sampled with this probability. An
+    # unsampled record builds no span and no span attribute.
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
     host: str = "127.0.0.1"
     port: int | None = Field(default=None, ge=0, le=65535)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +31,8 @@ from bridge.changelog.restore import RestoreFailed, Restorer
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
-from bridge.first_delivery import FirstDelivery
+from bridge.first_delivery import FirstDelivery, Ran
+from bridge.lanes import Lane
 from bridge.live_config import LiveConfig
 from bridge.model import Status
 from bridge.offsets import PartitionTracker
@@ -47,6 +48,7 @@ _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
 _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
+_WATCH_INTERVAL = 0.05  # how late past its lease a hung first delivery may be noticed
 _FLUSH_TIMEOUT = 15.0  # a revoke's last changelog transaction (the writer's own timeouts are shorter)
 
 
@@ -85,8 +87,8 @@ class SourceConsumer:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-kafka-consumer")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trackers: dict[TP, PartitionTracker] = {}
-        self._backlog: dict[TP, deque[SourceRecord]] = {}
-        self._running: dict[TP, set[asyncio.Task[None]]] = {}
+        self._lanes: dict[TP, Lane] = {}
+        self._storing: dict[TP, set[asyncio.Task[None]]] = {}  # failures of a lane being stored
         self._suspects: dict[TP, list[tuple[int, int]]] = {}
         self._paused: set[TP] = set()
         self._assigned: set[TP] = set()
@@ -119,7 +121,7 @@ class SourceConsumer:
                 self._start_all()
 
     def _start_all(self) -> None:
-        for tp in list(self._backlog):
+        for tp in list(self._lanes):
             self._start_ready(tp)
 
     def owns(self, topic: str, partition: int) -> bool:
@@ -188,11 +190,15 @@ class SourceConsumer:
         await self._call(self._consumer.subscribe, topics, on_assign=self._on_assign, on_revoke=self._on_revoke,
                          on_lost=self._on_lost)
         pressure = asyncio.create_task(self._watch_backpressure(stop))
+        watchdog = asyncio.create_task(self._watch_lanes())
         try:
             await self._consume_until(stop)
         finally:
             pressure.cancel()
-            await self._shutdown()
+            try:
+                await self._shutdown()
+            finally:
+                watchdog.cancel()
 
     async def _consume_until(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -217,18 +223,31 @@ class SourceConsumer:
         return False
 
     async def _accept(self, records: list[SourceRecord]) -> None:
-        newest: dict[TP, int] = {}
+        by_partition: dict[TP, list[SourceRecord]] = {}
         for record in records:
             tp = (record.topic, record.partition)
-            self._trackers.setdefault(tp, PartitionTracker()).fetched(record.offset)
-            self._backlog.setdefault(tp, deque()).append(record)
-            newest[tp] = max(newest.get(tp, -1), record.offset)
+            by_partition.setdefault(tp, []).append(record)
+        for tp, batch in by_partition.items():
+            tracker = self._trackers.setdefault(tp, PartitionTracker())
+            for record in batch:
+                tracker.fetched(record.offset)
         self.stats["records"] += len(records)
         # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
-        ranges = [(t, p, _first(self._trackers[(t, p)].lowest_pending, hi), hi) for (t, p), hi in newest.items()]
+        ranges = [(t, p, _first(self._trackers[(t, p)].lowest_pending, batch[-1].offset), batch[-1].offset)
+                  for (t, p), batch in by_partition.items()]
         await self._journal(ranges)
-        for tp in newest:
+        for tp, batch in by_partition.items():
+            self._lane(tp).add(batch)
             self._start_ready(tp)
+
+    def _lane(self, tp: TP) -> Lane:
+        lane = self._lanes.get(tp)
+        if lane is None:
+            queue = self.config.queue_for_topic(tp[0]) or ""
+            lane = self._lanes[tp] = Lane(tp, queue, self.delivery, self.delivery.threads,
+                                          self.config.kafka.partition_concurrency, self._on_results,
+                                          functools.partial(self._is_suspect, tp), self._counted_failure)
+        return lane
 
     async def _journal(self, ranges: list[tuple[str, int, int, int]]) -> None:
         committed = [(t, p, off) for (t, p), tr in self._trackers.items() if (off := tr.commit_offset()) is not None]
@@ -246,46 +265,67 @@ class SourceConsumer:
                 delay = min(delay * 2, 5.0)
 
     def _start_ready(self, tp: TP) -> None:
-        backlog = self._backlog.get(tp)
-        running = self._running.setdefault(tp, set())
-        limit = self.config.kafka.partition_concurrency
-        if (not self._store_healthy or tp in self._restoring
-                or self.config.queue_for_topic(tp[0]) in self._held_queues()):
-            return  # fetched records wait too, not only the fetching
-        while backlog and len(running) < limit:
-            record = backlog.popleft()
-            task = asyncio.create_task(self._deliver(tp, record), name=f"rdq-first-{record.source}")
-            running.add(task)
-            task.add_done_callback(running.discard)
+        lane = self._lanes.get(tp)
+        if lane is None:
+            return
+        self._hold_lanes({tp})
+        lane.dispatch()
 
-    async def _deliver(self, tp: TP, record: SourceRecord) -> None:
-        queue = self.config.queue_for_topic(record.topic) or ""
-        suspect = self._is_suspect(tp, record.offset)
-        if suspect:
-            self.stats["suspects"] += 1
-        done = False
-        try:
-            stored = await self.delivery.handle_record(record, queue, suspect)
-            if stored is not None and stored.status == Status.PENDING:
-                self._note_open_task(queue)
-            if stored is not None and self.changelog is not None:
-                # Stored here; its offset moves once its task is in the changelog (the slot is free already).
-                self.changelog.writer.when_logged(stored.task_id, lambda: self._logged(tp, record.offset))
+    def _hold_lanes(self, tps: Iterable[TP] | None = None) -> None:
+        """Whether each lane may start records: not while the store cannot be written, the partition restores,
+        or its queue is held (paused by an operator, at max_open_tasks). Fetched records wait too, not only the
+        fetching; records already running finish."""
+        held = self._held_queues()
+        for tp in self._lanes if tps is None else tps:
+            lane = self._lanes.get(tp)
+            if lane is not None and not lane.released:
+                lane.held = not self._store_healthy or tp in self._restoring or lane.queue_name in held
+
+    def _on_results(self, lane: Lane, results: list[Ran]) -> None:
+        """A lane's finished records: successes are done; failures are stored together (one group commit)."""
+        current = self._lanes.get(lane.tp) is lane
+        tracker = self._trackers.get(lane.tp) if current else None
+        self.delivery.telemetry.metrics.records_seen(lane.queue_name, len(results))
+        failures = []
+        for ran in results:
+            if ran.task is None:
+                if tracker is not None:
+                    tracker.done(ran.record.offset)
             else:
-                done = True
+                failures.append(ran)
+        if failures:
+            storing = self._storing.setdefault(lane.tp, set())
+            task = asyncio.create_task(self._store_failures(lane, failures), name="rdq-store-failures")
+            storing.add(task)
+            task.add_done_callback(storing.discard)
+
+    async def _store_failures(self, lane: Lane, failures: list[Ran]) -> None:
+        tp = lane.tp
+        try:
+            stored = await self.delivery.store_all([ran.task for ran in failures if ran.task is not None])
         except Exception:
-            # Not done: keep the record pending (the commit cannot pass it) and try it again shortly.
-            log.exception("first delivery failed unexpectedly; retrying", extra={"queue": queue})
+            # Not done: keep the records pending (the commit cannot pass them) and run them again shortly.
+            log.exception("storing failed first deliveries failed unexpectedly; retrying",
+                          extra={"queue": lane.queue_name})
             await asyncio.sleep(1.0)
-            self._backlog.setdefault(tp, deque()).appendleft(record)
-        finally:
-            # Free this slot before refilling it (the done-callback that also discards runs later).
-            self._running.get(tp, set()).discard(asyncio.current_task())
-            tracker = self._trackers.get(tp)
-            if tracker is not None:
-                if done:
-                    tracker.done(record.offset)
+            if self._lanes.get(tp) is lane:
+                lane.put_back([ran.record for ran in failures])
                 self._start_ready(tp)
+            return
+        for ran, task in zip(failures, stored, strict=True):
+            if self.changelog is not None:
+                # Stored here; its offset moves once its task is in the changelog.
+                self.changelog.writer.when_logged(task.task_id, functools.partial(self._logged, tp, ran.record.offset))
+            else:
+                self._logged(tp, ran.record.offset)
+
+    async def _watch_lanes(self) -> None:
+        """One watchdog for every lane's running records (hung, silent or past queue_timeout: abandoned)."""
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            now = time.monotonic()
+            for lane in list(self._lanes.values()):
+                lane.watch(now)
 
     def _logged(self, tp: TP, offset: int) -> None:
         tracker = self._trackers.get(tp)
@@ -335,13 +375,22 @@ class SourceConsumer:
             return set(self._assigned)
         held = self._held_queues()
         high = _BACKLOG_HIGH
+        # The fetched backlog is bounded in bytes too (1 MB records must not take gigabytes): each partition's
+        # share of the bridge's budget (librdkafka's own prefetch queue has the other half, see kafka_clients).
+        high_bytes = self.config.kafka.max_buffered_mb * 1024 * 1024 / 2 / max(1, len(self._assigned))
         wanted = self._restoring & self._assigned
         for tp in self._assigned:
-            waiting = len(self._backlog.get(tp, ()))
-            if (waiting > high or (tp in self._paused and waiting > high // 2)
+            lane = self._lanes.get(tp)
+            waiting, size = (len(lane.ready), lane.ready_bytes) if lane is not None else (0, 0)
+            if (waiting > high or size > high_bytes
+                    or (tp in self._paused and (waiting > high // 2 or size > high_bytes / 2))
                     or self.config.queue_for_topic(tp[0]) in held):
                 wanted.add(tp)
         return wanted
+
+    def backlog_bytes(self) -> int:
+        """Payload bytes fetched and waiting for a runner, over all partitions."""
+        return sum(lane.ready_bytes for lane in self._lanes.values())
 
     async def _apply_pauses(self) -> None:
         if self._consumer is None:
@@ -353,22 +402,33 @@ class SourceConsumer:
         if to_resume:
             await self._call(self._consumer.resume, [TopicPartition(t, p) for t, p in to_resume])
         self._paused = (self._paused | to_pause) - to_resume
+        self._hold_lanes()
         held = self._held_queues()
         if self._was_held - held:
             self._start_all()  # a hold was lifted: records fetched meanwhile may start
         self._was_held = held
 
-    def _note_open_task(self, name: str) -> None:
-        """A new open task: count it now, so a burst of failures is held at the limit, not one poll later."""
-        self._open_tasks[name] = self._open_tasks.get(name, 0) + 1
+    def _counted_failure(self, lane: Lane, ran: Ran) -> None:
+        """A first delivery failed into a PENDING task (not stored yet): count it open now, so a burst of failures
+        is held at max_open_tasks, not a batch later. Called by the lane's runner — on a handler thread for a
+        sync handler: it only counts and raises `held` flags (plain assignments); the rest runs on the loop."""
+        if ran.task is None or ran.task.status != Status.PENDING:
+            return
+        name = lane.queue_name
+        self._open_tasks[name] = open_tasks = self._open_tasks.get(name, 0) + 1
         queue = self.live.queue(name)
-        if queue is not None:
-            self._check_backpressure(name, queue.max_open_tasks)
+        if queue is not None and open_tasks >= queue.max_open_tasks:
+            for other in list(self._lanes.values()):
+                if other.queue_name == name:
+                    other.held = True
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._check_backpressure, name, queue.max_open_tasks)
 
     def _check_backpressure(self, name: str, limit: int) -> None:
         if self._open_tasks.get(name, 0) >= limit and name not in self._backpressured:
             log.warning("queue at max_open_tasks (%d): pausing its sources", limit, extra={"queue": name})
             self._backpressured.add(name)
+            self._hold_lanes()
 
     async def _watch_backpressure(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -502,19 +562,18 @@ class SourceConsumer:
         tps &= self._assigned  # after a stop's own hand-over, the revoke inside close() has nothing left to do
         if not tps:
             return []
-        for tp in tps:
-            self._backlog.pop(tp, None)
+        lanes = [lane for tp in tps if (lane := self._lanes.get(tp)) is not None]
+        for lane in lanes:
+            lane.let_go()  # records not started stay uncommitted: the next owner gets them
         restoring = tps & self._restoring
         self._restoring -= tps
         if self.changelog is not None:
             for tp in tps - restoring:
                 await self._changelog_call(self.changelog.local.set_home(tp, "leaving"))
         began = time.monotonic()
-        running = [t for tp in tps for t in self._running.get(tp, ())]
-        if running:
-            _, late = await asyncio.wait(running, timeout=self.grace_period)
-            if late:
-                log.warning("%d records still running after the grace period; they may run twice", len(late))
+        late = await self._drain_lanes(lanes, tps, self.grace_period)
+        if late:
+            log.warning("%d records still running after the grace period; they may run twice", late)
         if self.changelog is not None:
             # One grace period for the first deliveries and the retries together.
             await self._hand_over(tps - restoring, max(0.0, self.grace_period - (time.monotonic() - began)))
@@ -523,6 +582,20 @@ class SourceConsumer:
         offsets = self._commit_offsets(tps, only_new=False)
         await self._forget(tps)
         return offsets
+
+    async def _drain_lanes(self, lanes: list[Lane], tps: set[TP], within: float) -> int:
+        """Wait (up to `within` seconds) for these lanes' running records and the storing of their failures.
+        Returns how many records were still running."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            storing = [t for tp in tps for t in self._storing.get(tp, ())]
+            if not any(lane.busy for lane in lanes) and not storing:
+                return 0
+            await asyncio.sleep(0.01)
+        storing = [t for tp in tps for t in self._storing.get(tp, ())]
+        if storing:  # stores retry until durable: a record whose handler ended is never given up here
+            await asyncio.wait(storing, timeout=5.0)
+        return sum(lane.running() for lane in lanes)
 
     async def _stop_restores(self) -> None:
         for task in list(self._restores):
@@ -587,8 +660,10 @@ class SourceConsumer:
         for tp in tps:
             self._baseline.pop(tp, None)
             self._trackers.pop(tp, None)
-            self._backlog.pop(tp, None)
-            self._running.pop(tp, None)
+            lane = self._lanes.pop(tp, None)
+            if lane is not None:
+                lane.let_go()
+            self._storing.pop(tp, None)
             self._suspects.pop(tp, None)
         self._assigned -= tps
         self._paused -= tps
@@ -603,10 +678,10 @@ class SourceConsumer:
 
     async def _shutdown(self) -> None:
         """Stop consuming; let running first deliveries finish within the grace period; commit; close."""
-        running = [t for ts in self._running.values() for t in ts]
-        late: set[asyncio.Task[None]] = set()
-        if running:
-            _, late = await asyncio.wait(running, timeout=self.grace_period)
+        lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.let_go()
+        late = await self._drain_lanes(lanes, set(self._lanes), self.grace_period)
         await self._stop_restores()
         if self.changelog is not None and self._consumer is not None and self._assigned:
             # Hand everything over while the group is stable, as Kafka Streams commits before closing its

@@ -1,12 +1,19 @@
 """First delivery (SPEC §4.1): run the handler inline on a source record; a failure becomes a stored task.
 
-`handle()` returns only once the record is done: it succeeded, or its task is durably stored. A store that
-cannot be written is retried (with the consumer paused through `on_store_health`): the record is never dropped.
+The per-record work is split so that a partition's lane (bridge/lanes.py) can run many records in one executor
+hop: `prepare` (a record that becomes a task without running — no queue, a suspect, a remote queue, no handler —
+or one whose handler is to run), `run_sync` / `run_async` (the handler, under its spans when the record is
+sampled), `ended` / `abandoned` (what the attempt became, as a `Ran`), and `store_all` (the failures of a batch,
+durably: one group commit). `handle_record` does all of it for one record, with the classic per-record watchdog.
+
+A record is done when its `Ran` is a success or its task is durably stored. A store that cannot be written is
+retried (with the consumer paused through `on_store_health`): the record is never dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,9 +25,9 @@ from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import LEASE_EXPIRED, TIMEOUT, UNROUTABLE, Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.policy import decide
-from bridge.records import SourceRecord
-from bridge.registry import Registry
-from bridge.runner import RunOutcome, Started, outcome_of, start_handler
+from bridge.records import SourceRecord, TaskHeaders
+from bridge.registry import Handler, Registry
+from bridge.runner import SUCCESS, RunOutcome, outcome_of_exception
 from bridge.store import Store, StoreError
 from bridge.telemetry import Telemetry
 from bridge.threads import HandlerThreads
@@ -35,6 +42,29 @@ class Stored:
 
     status: Status
     task_id: str
+
+
+@dataclass(slots=True)
+class Begun:
+    """A record whose handler is about to run: its context and when it began (for the watchdog)."""
+
+    record: SourceRecord
+    queue_name: str
+    queue: QueueConfig
+    handler: Handler
+    ctx: HandlerContext
+    started_ms: int
+    began: float  # time.monotonic()
+    sampled: bool  # traced (tracing on and the sampler says so): spans are built only then
+
+
+@dataclass(slots=True)
+class Ran:
+    """A first delivery's end: `task` is what the record becomes (None: it succeeded)."""
+
+    record: SourceRecord
+    queue_name: str
+    task: NewTask | None
 
 
 class FirstDelivery:
@@ -52,6 +82,9 @@ class FirstDelivery:
         self.on_store_health = on_store_health
         self.on_pending = on_pending  # a new PENDING task: the scheduler (or a waiting remote claim) looks now
         self.telemetry = telemetry or Telemetry()
+        self._is_async: dict[str, bool] = {}
+
+    # ---- one record, start to end (tests, tools; the consumer uses lanes) -------------------------------
 
     async def handle(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Status | None:
         """Done when this returns. Returns the status of the stored task, or None on success."""
@@ -60,73 +93,158 @@ class FirstDelivery:
 
     async def handle_record(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Stored | None:
         """Done (succeeded, or its task durably in the store) when this returns; None on success."""
-        queue = self.config.queue(queue_name)
-        headers = record.task_headers()
         self.telemetry.metrics.record_seen(queue_name)  # every record, however it is handled
+        prepared = self.prepare(record, queue_name, suspect)
+        if isinstance(prepared, Begun):
+            task = (await self._run_watched(prepared)).task
+            if task is None:
+                return None
+        else:
+            task = prepared
+        return (await self.store_all([task]))[0]
+
+    async def _run_watched(self, begun: Begun) -> Ran:
+        """Run one handler while it heartbeats at least once per lease, within the queue timeout."""
+        if self.is_async(begun.handler):
+            future: asyncio.Future[Ran] = asyncio.ensure_future(self.run_async(begun))
+            call = pool = None
+        else:
+            assert self.threads is not None
+            pool = self.threads.pool(begun.queue_name)
+            call = pool.submit(functools.partial(self.run_sync, begun))
+            future = asyncio.wrap_future(call)
+        while True:
+            done, _ = await asyncio.wait([future], timeout=begun.queue.lease)
+            if done:
+                return future.result()
+            why = self.overdue(begun, time.monotonic())
+            if why is not None:
+                begun.ctx.lose_lease()  # a sync handler learns at its next heartbeat()
+                future.cancel()
+                if call is not None and pool is not None:
+                    pool.abandon(call)  # its thread is counted stuck until it returns
+                return self.abandoned(begun, why)
+
+    # ---- the pieces a lane runs ---------------------------------------------------------------------------
+
+    def is_async(self, handler: Handler) -> bool:
+        known = self._is_async.get(handler.name)
+        if known is None:
+            known = self._is_async[handler.name] = handler.is_async
+        return known
+
+    def runs_on_loop(self, queue_name: str) -> bool:
+        """A queue whose records need no thread: an async handler, or none here (remote, unregistered)."""
+        queue = self.config.queue(queue_name)
+        if queue is None or queue.remote:
+            return True
+        handler = self.registry.get(queue.handler)
+        return handler is None or self.is_async(handler)
+
+    def prepare(self, record: SourceRecord, queue_name: str, suspect: bool = False) -> Begun | NewTask:
+        """What a record needs: its handler run (a `Begun`, for `run_sync` / `run_async`), or a task at once — no
+        queue for its topic, a suspect (the bridge died while it ran), a remote queue, no handler here."""
+        queue = self.config.queue(queue_name)
         if queue is None:
             reason = ErrorInfo(UNROUTABLE, f"topic {record.topic} has no queue in the configuration")
-            return await self._store(self._dead_task(record, queue_name, "", headers, reason, None))
+            return self._dead_task(record, queue_name, "", reason)
         if suspect:
-            return await self._store(self._crashed_task(record, queue_name, queue, headers))
+            return self._crashed_task(record, queue_name, queue)
         if queue.remote:
             # The handler lives in remote workers: the record becomes a task due now, for them to claim.
-            return await self._store(NewTask(
-                queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
-                status=Status.PENDING, created_at=self.clock.now_ms(), first_attempt=None,
-                next_attempt_at=self.clock.now_ms(), payload_content_type=record.content_type))
+            now = self.clock.now_ms()
+            return NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
+                           headers=record.task_headers(), status=Status.PENDING, created_at=now, first_attempt=None,
+                           next_attempt_at=now, payload_content_type=record.content_type)
         handler = self.registry.get(queue.handler)
         if handler is None:
             reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
-            return await self._store(self._dead_task(record, queue_name, queue.handler, headers, reason, None))
+            return self._dead_task(record, queue_name, queue.handler, reason)
+        telemetry = self.telemetry
+        sampled = telemetry.tracing and telemetry.sample(record)
+        # Untraced here, a record without a traceparent still gets a sampled one (downstream may trace it).
+        headers = TaskHeaders(record, sampled or not telemetry.tracing)
         # The task id is made only if used: read by the handler (to dedupe), or for a failure's task.
         ctx = HandlerContext(new_task_id, queue_name, 1, 0, record.value, record.content_type, headers)
+        return Begun(record, queue_name, queue, handler, ctx, self.clock.now_ms(), time.monotonic(), sampled)
+
+    def run_sync(self, begun: Begun) -> Ran:
+        """Run a sync handler here (a handler thread) and say what it became. Never raises."""
         telemetry = self.telemetry
-        with telemetry.consume_span(record, queue_name, headers):
-            started = self.clock.now_ms()
-            with telemetry.attempt_span(ctx, queue_name, 1, headers, inline=True) as span:
-                running = start_handler(handler, ctx, self.threads)
-                ended = await self._within_lease(running, ctx, queue.lease, queue.queue_timeout)
-                if ended == "done":
-                    result = outcome_of(running.future, queue.errors)
-                elif ended == "silent":
-                    result = RunOutcome(Outcome.LEASE_EXPIRED, ErrorInfo(
-                        LEASE_EXPIRED, f"first delivery ran a whole lease ({queue.lease:g}s) without a heartbeat; "
-                                       "abandoned and handed to the scheduler"))
-                else:  # heartbeating past the queue timeout: the whole-life bound ends it (SPEC 4.6)
-                    result = RunOutcome(Outcome.PERMANENT_FAILURE, ErrorInfo(
-                        TIMEOUT, f"first delivery still running after queue_timeout ({queue.queue_timeout:g}s)"))
-                telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
-            telemetry.metrics.attempt(queue_name, result.outcome, (self.clock.now_ms() - started) / 1000)
-            if result.ok:
-                return None
-            return await self._store(self._failed_task(record, queue_name, queue, headers, ctx.task_id,
-                                                       handler.version, started, result))
+        if not begun.sampled:
+            try:
+                begun.handler.fn(begun.ctx)
+                result = SUCCESS
+            except Exception as e:  # the handler's error is its outcome
+                result = outcome_of_exception(e, begun.queue.errors)
+            return self.ended(begun, result)
+        with telemetry.consume_span(begun.record, begun.queue_name, begun.ctx.headers), \
+                telemetry.attempt_span(begun.ctx, begun.queue_name, 1, begun.ctx.headers, inline=True) as span:
+            try:
+                begun.handler.fn(begun.ctx)
+                result = SUCCESS
+            except Exception as e:
+                result = outcome_of_exception(e, begun.queue.errors)
+            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+        return self.ended(begun, result)
+
+    async def run_async(self, begun: Begun) -> Ran:
+        """Run an async handler and say what it became. Never raises but CancelledError (abandoned)."""
+        telemetry = self.telemetry
+        if not begun.sampled:
+            try:
+                await begun.handler.fn(begun.ctx)  # type: ignore[misc]
+                result = SUCCESS
+            except Exception as e:
+                result = outcome_of_exception(e, begun.queue.errors)
+            return self.ended(begun, result)
+        with telemetry.consume_span(begun.record, begun.queue_name, begun.ctx.headers), \
+                telemetry.attempt_span(begun.ctx, begun.queue_name, 1, begun.ctx.headers, inline=True) as span:
+            try:
+                await begun.handler.fn(begun.ctx)  # type: ignore[misc]
+                result = SUCCESS
+            except Exception as e:
+                result = outcome_of_exception(e, begun.queue.errors)
+            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+        return self.ended(begun, result)
 
     @staticmethod
-    async def _within_lease(running: Started, ctx: HandlerContext, lease: float,
-                            queue_timeout: float | None) -> str:
-        """Wait for the handler while it heartbeats at least once per lease, within the queue timeout.
-        "done"; "silent": no heartbeat for a whole lease (hung); "timeout": past queue_timeout. Silent or timed
-        out, it is abandoned, so one stuck record cannot hold its partition's slot forever."""
-        began = time.monotonic()
-        while True:
-            done, _ = await asyncio.wait([running.future], timeout=lease)
-            if done:
-                return "done"
-            now = time.monotonic()
-            if queue_timeout is not None and now - began >= queue_timeout:
-                ended = "timeout"
-            elif now - ctx.last_beat >= lease:
-                ended = "silent"
-            else:
-                continue
-            ctx.lose_lease()  # a sync handler learns at its next heartbeat()
-            # An async one stops now; a sync one's thread is counted stuck until it returns. Its success, if it
-            # comes, is not recorded: the record's task was never claimed, so it has no fencing token to carry.
-            running.abandon()
-            return ended
+    def overdue(begun: Begun, now: float) -> str | None:
+        """Why a running handler must be abandoned now: "silent" (no heartbeat for a whole lease: hung) or
+        "timeout" (heartbeating past the queue timeout, the whole-life bound, SPEC 4.6); None: let it run."""
+        timeout = begun.queue.queue_timeout
+        if timeout is not None and now - begun.began >= timeout:
+            return "timeout"
+        if now - begun.ctx.last_beat >= begun.queue.lease:
+            return "silent"
+        return None
 
-    def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: dict[str, str],
+    def abandoned(self, begun: Begun, why: str) -> Ran:
+        """A handler given up on (`overdue`). An async one is cancelled; a sync one's thread is counted stuck
+        until it returns. Its success, if it comes, is not recorded: the record's task was never claimed, so it
+        has no fencing token to carry (the task runs again: at-least-once)."""
+        begun.ctx.lose_lease()  # a sync handler learns at its next heartbeat()
+        if why == "timeout":
+            result = RunOutcome(Outcome.PERMANENT_FAILURE, ErrorInfo(
+                TIMEOUT, f"first delivery still running after queue_timeout ({begun.queue.queue_timeout:g}s)"))
+        else:
+            result = RunOutcome(Outcome.LEASE_EXPIRED, ErrorInfo(
+                LEASE_EXPIRED, f"first delivery ran a whole lease ({begun.queue.lease:g}s) without a heartbeat; "
+                               "abandoned and handed to the scheduler"))
+        return self.ended(begun, result)
+
+    def ended(self, begun: Begun, result: RunOutcome) -> Ran:
+        now = self.clock.now_ms()
+        self.telemetry.metrics.attempt(begun.queue_name, result.outcome, (now - begun.started_ms) / 1000)
+        if result.ok:
+            return Ran(begun.record, begun.queue_name, None)
+        return Ran(begun.record, begun.queue_name,
+                   self._failed_task(begun.record, begun.queue_name, begun.queue, begun.ctx.headers,
+                                     begun.ctx.task_id, begun.handler.version, begun.started_ms, result))
+
+    # ---- the tasks records become --------------------------------------------------------------------
+
+    def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: object,
                      task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:
         now = self.clock.now_ms()
         assert result.error is not None
@@ -134,30 +252,36 @@ class FirstDelivery:
         decision = decide(queue, result.outcome, 1, result.requested_delay)
         dead = decision.retry_after is None
         return NewTask(
-            queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=headers,
+            queue=queue_name, handler_ref=queue.handler, payload=record.value,
+            headers=headers.made() if isinstance(headers, TaskHeaders) else dict(headers),  # type: ignore[call-overload]
             status=Status.DEAD if dead else Status.PENDING, created_at=now, first_attempt=attempt,
             next_attempt_at=None if dead else now + int(decision.retry_after * 1000),  # type: ignore[operator]
             dead_reason=result.error if dead else None, handler_version=version,
             payload_content_type=record.content_type, id=task_id,
         )  # fmt: skip
 
-    def _crashed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig,
-                      headers: dict[str, str]) -> NewTask:
+    def _crashed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig) -> NewTask:
         """The bridge died while this record's first delivery ran: attempt 1 is LEASE_EXPIRED (poison pill)."""
         error = ErrorInfo(LEASE_EXPIRED, "the bridge stopped while this record's first delivery was running")
         handler = self.registry.get(queue.handler)
-        return self._failed_task(record, queue_name, queue, headers, new_task_id(),
+        return self._failed_task(record, queue_name, queue, record.task_headers(), new_task_id(),
                                  handler.version if handler else None, self.clock.now_ms(),
                                  RunOutcome(Outcome.LEASE_EXPIRED, error))
 
-    def _dead_task(self, record: SourceRecord, queue_name: str, handler_ref: str, headers: dict[str, str],
-                   reason: ErrorInfo, attempt: Attempt | None) -> NewTask:
-        return NewTask(queue=queue_name, handler_ref=handler_ref, payload=record.value, headers=headers,
-                       status=Status.DEAD, created_at=self.clock.now_ms(), first_attempt=attempt, dead_reason=reason,
+    def _dead_task(self, record: SourceRecord, queue_name: str, handler_ref: str, reason: ErrorInfo) -> NewTask:
+        return NewTask(queue=queue_name, handler_ref=handler_ref, payload=record.value, headers=record.task_headers(),
+                       status=Status.DEAD, created_at=self.clock.now_ms(), first_attempt=None, dead_reason=reason,
                        payload_content_type=record.content_type)
 
+    # ---- storing --------------------------------------------------------------------------------------
+
+    async def store_all(self, tasks: list[NewTask]) -> list[Stored]:
+        """Store a batch of failures until durable (submitted together: they share group commits). While the
+        store fails, the consumer is paused; no record is ever dropped."""
+        stored = await asyncio.gather(*(self._store(t) for t in tasks))
+        return list(stored)
+
     async def _store(self, task: NewTask) -> Stored:
-        """Store until it is durable. While the store fails, the consumer is paused; the record is never dropped."""
         delay = 0.05
         while True:
             try:

@@ -34,6 +34,8 @@ def consumer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "partition.assignment.strategy": "cooperative-sticky",
         "auto.commit.interval.ms": 1000,
+        # Half of the fetched-records budget (the bridge's backlog has the other half, SPEC §5.2).
+        "queued.max.messages.kbytes": max(1024, int(config.kafka.max_buffered_mb * 1024 / 2)),
         # With the changelog, offsets are committed only in its transactions (with the tasks they depend on).
         **({"enable.auto.commit": False} if config.store.changelog else {}),
         **config.kafka.consumer,

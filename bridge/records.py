@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import re
-import secrets
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,10 @@ CONTENT_TYPE_HEADERS = ("content-type", "Content-Type", "contentType")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 
 
-def new_traceparent() -> str:
-    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+def new_traceparent(sampled: bool = True) -> str:
+    # Random, not cryptographic: trace ids need uniqueness (W3C trace-context), and os.urandom per record costs a
+    # system call (the OpenTelemetry SDK's own id generator uses `random` too).
+    return f"00-{random.getrandbits(128):032x}-{random.getrandbits(64) or 1:016x}-{'01' if sampled else '00'}"
 
 
 def valid_traceparent(value: str | None) -> bool:
@@ -83,11 +86,12 @@ class SourceRecord:
                 return value
         return "application/octet-stream"
 
-    def task_headers(self) -> dict[str, str]:
+    def task_headers(self, sampled: bool = True) -> dict[str, str]:
         """`rdq.source`, a valid `traceparent` (the record's, or a new trace), key, timestamp, own headers."""
         traceparent = self.header_text(TRACEPARENT)
         own_trace = valid_traceparent(traceparent)
-        headers = {SOURCE: self.source, TRACEPARENT: traceparent if own_trace and traceparent else new_traceparent()}
+        headers = {SOURCE: self.source,
+                   TRACEPARENT: traceparent if own_trace and traceparent else new_traceparent(sampled)}
         tracestate = self.header_text(TRACESTATE)
         if tracestate and own_trace:
             headers[TRACESTATE] = tracestate
@@ -100,6 +104,38 @@ class SourceRecord:
                 [[k, None if v is None else base64.b64encode(v).decode("ascii")] for k, v in self.headers],
                 separators=(",", ":"))
         return headers
+
+
+class TaskHeaders(Mapping[str, str]):
+    """A record's task headers (`SourceRecord.task_headers`), made on first use: a handler that succeeds reading
+    only `rdq.source` (or nothing) never pays for a new trace id, base64 and JSON. Made once, then fixed: the
+    headers a handler saw are the ones its task stores."""
+
+    __slots__ = ("_made", "_record", "sampled")
+
+    def __init__(self, record: SourceRecord, sampled: bool = True) -> None:
+        self._record = record
+        self._made: dict[str, str] | None = None
+        self.sampled = sampled  # the trace flag a record without a traceparent gets
+
+    def made(self) -> dict[str, str]:
+        if self._made is None:
+            self._made = self._record.task_headers(self.sampled)
+        return self._made
+
+    def __getitem__(self, key: str) -> str:
+        if key == SOURCE and self._made is None:
+            return self._record.source
+        return self.made()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.made())
+
+    def __len__(self) -> int:
+        return len(self.made())
+
+    def __repr__(self) -> str:
+        return repr(self.made())
 
 
 def parse_source(value: str | None) -> tuple[str, int, int] | None:

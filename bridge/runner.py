@@ -76,6 +76,14 @@ def start_handler(handler: Handler, ctx: HandlerContext, threads: HandlerThreads
     return Started(asyncio.wrap_future(running), running, pool)
 
 
+def outcome_of_exception(exc: BaseException, errors: ErrorsConfig) -> RunOutcome:
+    """Classify a handler's exception (SPEC §4.3): explicit Retry/Permanent first, then `errors`."""
+    if isinstance(exc, LeaseLost):
+        return RunOutcome(Outcome.RETRYABLE_FAILURE, error_info(exc), lease_lost=True)
+    delay = exc.after if isinstance(exc, Retry) else None
+    return RunOutcome(classify(exc, errors), error_info(exc), delay)
+
+
 def outcome_of(running: asyncio.Future[None], errors: ErrorsConfig) -> RunOutcome:
     """Classify a finished handler future (SPEC §4.3): explicit Retry/Permanent first, then `errors`."""
     if running.cancelled():
@@ -84,7 +92,4 @@ def outcome_of(running: asyncio.Future[None], errors: ErrorsConfig) -> RunOutcom
     exc = running.exception()
     if exc is None:
         return SUCCESS
-    if isinstance(exc, LeaseLost):
-        return RunOutcome(Outcome.RETRYABLE_FAILURE, error_info(exc), lease_lost=True)
-    delay = exc.after if isinstance(exc, Retry) else None
-    return RunOutcome(classify(exc, errors), error_info(exc), delay)
+    return outcome_of_exception(exc, errors)

@@ -9,6 +9,7 @@ With tracing off, the per-record path does no tracing work at all (one attribute
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,13 +18,14 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from bridge.config import TelemetryConfig
 from bridge.model import Outcome
-from bridge.records import SourceRecord
+from bridge.records import TRACEPARENT, SourceRecord, valid_traceparent
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 MAX_ERROR_TYPES = 50  # distinct `error_type` label values per queue; more count as "other"
@@ -99,10 +101,13 @@ class Metrics:
         self.dead.labels(queue, error_type[:200]).inc(n)
 
     def record_seen(self, queue: str) -> None:
+        self.records_seen(queue, 1)
+
+    def records_seen(self, queue: str, n: int) -> None:
         child = self._record_children.get(queue)
         if child is None:
             child = self._record_children[queue] = self.records.labels(queue)
-        child.inc()
+        child.inc(n)
 
 
 def _exporter(config: TelemetryConfig) -> SpanExporter | None:
@@ -113,6 +118,12 @@ def _exporter(config: TelemetryConfig) -> SpanExporter | None:
 
         return OTLPSpanExporter(endpoint=config.otlp_endpoint) if config.otlp_endpoint else OTLPSpanExporter()
     return None
+
+
+def sampler(ratio: float) -> ParentBased:
+    """Parent-based: a remote parent's sampled flag decides; a root trace is sampled with probability `ratio`
+    (the new traceparent a root record gets carries that decision, see `Telemetry.sample`)."""
+    return ParentBased(TraceIdRatioBased(ratio))
 
 
 def context_of(headers: Mapping[str, str]) -> Context:
@@ -126,14 +137,26 @@ class Telemetry:
         self.metrics = metrics or Metrics()
         self.group_id = group_id
         self.provider = provider
+        self.sample_ratio = config.sample_ratio
         if self.provider is None:
             exporter = _exporter(config)
             if exporter is not None:
                 resource = Resource.create({"service.name": "rdq-bridge", "service.instance.id": instance_id})
-                self.provider = TracerProvider(resource=resource)
+                self.provider = TracerProvider(resource=resource, sampler=sampler(config.sample_ratio))
                 self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracing = self.provider is not None
         self._tracer = self.provider.get_tracer("rdq-bridge") if self.provider else None
+
+    def sample(self, record: SourceRecord) -> bool:
+        """Is this record traced? The decision the parent-based sampler will make, made before any span or
+        attribute is built: the producer's flag when the record carries a traceparent, else `sample_ratio`."""
+        if self._tracer is None:
+            return False
+        traceparent = record.header_text(TRACEPARENT)
+        if traceparent is not None and valid_traceparent(traceparent):
+            return traceparent.strip().endswith(("1", "3", "5", "7", "9", "b", "d", "f"))  # flags & 0x01
+        ratio = self.sample_ratio
+        return ratio >= 1.0 or (ratio > 0.0 and random.random() < ratio)
 
     def shutdown(self) -> None:
         if self.provider is not None:

@@ -1,0 +1,254 @@
+"""Lanes: one per assigned source partition, running the first deliveries of its fetched records.
+
+A task, a thread hop and a watchdog per record cost more than a fast handler does. A lane instead hands its
+ready records to *runners*. A runner is one hop onto the queue's handler threads (sync handlers) or one task on
+the loop (async handlers, remote queues) that takes records one after another off the lane's ready deque, in
+offset order, until none is left.
+
+- Concurrency within the partition (`partition_concurrency`) comes from more runners, started only when the
+  handler is slow: sync records that took >= `_SLOW` several in a row (then as many as there are records, up to
+  the limit), an async runner's record (a second runner waits its turn: it runs only if the first suspends).
+  A fast handler is run by one runner, as a bare consumer loop runs it: more threads would only fight for the GIL.
+- One watchdog for all lanes (the consumer calls `watch`): a record silent for a whole lease, or running past
+  `queue_timeout`, is abandoned — its failure reported, its runner let go (a sync one's thread is counted stuck
+  until it returns), a new runner takes the records after it.
+- Results reach the loop in batches (`on_results`), so the failures of a batch are stored in one group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from bridge.first_delivery import Begun, FirstDelivery, Ran
+from bridge.records import SourceRecord
+from bridge.threads import HandlerThreads
+
+TP = tuple[str, int]
+# A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
+# waits on I/O). One slow record is not enough: a runner that waited for the GIL sees a fast record take 5 ms,
+# and more threads for a fast handler only make them fight for it.
+_SLOW = 0.001
+_SLOW_STREAK = 3
+# The watchdog adds a runner when every runner is on a record this old (the first records of a lane may hang).
+_STALLED = 0.1
+
+
+class Runner:
+    """One runner: the record it is running now (for the watchdog), and how to let it go."""
+
+    __slots__ = ("abandoned", "call", "current", "task")
+
+    def __init__(self) -> None:
+        self.current: Begun | None = None
+        self.abandoned = False
+        self.call: Future[None] | None = None  # a sync runner's call on the handler threads
+        self.task: asyncio.Task[None] | None = None  # an async runner
+
+
+class Lane:
+    def __init__(self, tp: TP, queue_name: str, delivery: FirstDelivery, threads: HandlerThreads | None,
+                 limit: int, on_results: Callable[[Lane, list[Ran]], None],
+                 is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None) -> None:
+        self.tp = tp
+        self.queue_name = queue_name
+        self.delivery = delivery
+        self.limit = max(1, limit)
+        self.ready: deque[SourceRecord] = deque()
+        self.ready_bytes = 0  # payload bytes of `ready` (the consumer pauses a partition past its share)
+        # Set by the consumer (store unwritable, restoring, queue paused or at max_open_tasks): runners take no
+        # more records; those running finish.
+        self.held = False
+        self.released = False  # let go (revoked, stopping): held for good
+        self._threads = threads
+        self._on_results = on_results
+        self._is_suspect = is_suspect
+        # Called by the runner as soon as a record failed (before its task is stored): the consumer counts the
+        # open task at once and may hold the lane (max_open_tasks) before the runner takes the next record.
+        self._on_failure = on_failure
+        self._loop = asyncio.get_running_loop()
+        self._on_loop = delivery.runs_on_loop(queue_name) or threads is None
+        self._call_soon = self._loop.call_soon if self._on_loop else self._loop.call_soon_threadsafe
+        # Shared with the runner threads: the runners, how many are starting, the results not yet taken.
+        self._lock = threading.Lock()
+        self._runners: set[Runner] = set()
+        self._starting = 0
+        self._results: list[Ran] = []
+        self._wake_pending = False
+
+    # ---- on the loop ---------------------------------------------------------------------------------------
+
+    def add(self, records: list[SourceRecord]) -> None:
+        with self._lock:
+            self.ready.extend(records)
+            self.ready_bytes += sum(len(r.value) for r in records)
+        self.dispatch()
+
+    def put_back(self, records: list[SourceRecord]) -> None:
+        """Records to run again (their failure could not be stored), ahead of the others."""
+        with self._lock:
+            self.ready.extendleft(reversed(records))
+            self.ready_bytes += sum(len(r.value) for r in records)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Start a runner if records wait and none is running (running ones take what is added)."""
+        with self._lock:
+            if self.held or not self.ready or self._runners or self._starting:
+                return
+            self._starting += 1
+        self._start_runners(1)
+
+    @property
+    def busy(self) -> bool:
+        """Runners running or results not yet handed over."""
+        return bool(self._runners or self._starting or self._results)
+
+    def running(self) -> int:
+        return sum(1 for r in self._runners if r.current is not None)
+
+    def let_go(self) -> None:
+        """Revoked or stopping: nothing more starts; runners still running are left to finish (or hang)."""
+        self.held = self.released = True
+        with self._lock:
+            self.ready.clear()
+            self.ready_bytes = 0
+        with self._lock:
+            for runner in self._runners:
+                runner.abandoned = True  # it reports what it is running, then takes nothing more
+
+    def watch(self, now: float) -> None:
+        """The watchdog's round: abandon overdue records; add a runner when all are busy with slow records."""
+        with self._lock:
+            overdue = []
+            for runner in self._runners:
+                begun = runner.current
+                if begun is not None and not runner.abandoned:
+                    why = self.delivery.overdue(begun, now)
+                    if why is not None:
+                        runner.abandoned = True
+                        overdue.append((runner, begun, why))
+            for runner, _, _ in overdue:
+                self._runners.discard(runner)
+            spawn = 0
+            if self.ready and not self.held and not self._starting and len(self._runners) < self.limit and all(
+                    r.current is not None and now - r.current.began >= _STALLED for r in self._runners):
+                spawn = self._starting = 1
+        for runner, begun, why in overdue:
+            if runner.call is not None and self._threads is not None:
+                self._threads.pool(self.queue_name).abandon(runner.call)  # counted stuck until it returns
+            if runner.task is not None:
+                runner.task.cancel()
+            self._report(self.delivery.abandoned(begun, why))
+        if spawn:
+            self._start_runners(spawn)
+
+    def _start_runners(self, n: int) -> None:
+        """Start `n` runners (already counted in `_starting`)."""
+        for _ in range(n):
+            runner = Runner()
+            with self._lock:
+                self._runners.add(runner)
+            if self._on_loop:
+                runner.task = self._loop.create_task(self._drain_async(runner), name=f"rdq-lane-{self.tp}")
+            else:
+                assert self._threads is not None
+                runner.call = self._threads.pool(self.queue_name).submit(functools.partial(self._drain_sync, runner))
+
+    def _take_results(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+            results, self._results = self._results, []
+        if results:
+            self._on_results(self, results)
+
+    # ---- in the runners -------------------------------------------------------------------------------------
+
+    def _next(self, runner: Runner) -> SourceRecord | None:
+        with self._lock:
+            if runner.abandoned or self.held or not self.ready:
+                self._runners.discard(runner)
+                return None
+            record = self.ready.popleft()
+            self.ready_bytes -= len(record.value)
+            return record
+
+    def _report(self, ran: Ran, slow: bool = False) -> None:
+        """A record's end, from a runner (or the watchdog): handed to the loop in batches."""
+        if ran.task is not None and self._on_failure is not None:
+            self._on_failure(self, ran)
+        with self._lock:
+            self._results.append(ran)
+            wake = not self._wake_pending
+            self._wake_pending = True
+            spawn = 0
+            if slow and self.ready and not self.held and not self._starting:
+                spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
+                self._starting += spawn
+        if wake:
+            self._call_soon(self._take_results)
+        if spawn:
+            self._call_soon(self._start_runners, spawn)
+
+    def _drain_sync(self, runner: Runner) -> None:
+        """A sync runner, on a handler thread: the ready records one after another."""
+        with self._lock:
+            self._starting -= 1
+        streak = 0
+        try:
+            while (record := self._next(runner)) is not None:
+                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                if not isinstance(prepared, Begun):
+                    self._report(Ran(record, self.queue_name, prepared))
+                    continue
+                runner.current = prepared
+                ran = self.delivery.run_sync(prepared)
+                with self._lock:
+                    if runner.abandoned and runner not in self._runners:
+                        return  # the watchdog reported this record; this thread was counted stuck
+                    runner.current = None
+                streak = streak + 1 if time.monotonic() - prepared.began >= _SLOW else 0
+                self._report(ran, streak >= _SLOW_STREAK)
+        finally:
+            with self._lock:
+                self._runners.discard(runner)
+
+    async def _drain_async(self, runner: Runner) -> None:
+        """An async runner, on the loop. A second runner is started (once) to take the next record should this
+        one's handler suspend: concurrency without a task per record."""
+        with self._lock:
+            self._starting -= 1
+        try:
+            while (record := self._next(runner)) is not None:
+                self._maybe_second_runner()
+                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                if not isinstance(prepared, Begun):
+                    self._report(Ran(record, self.queue_name, prepared))
+                    continue
+                runner.current = prepared
+                try:
+                    if self.delivery.is_async(prepared.handler):
+                        ran = await self.delivery.run_async(prepared)
+                    else:  # no handler threads here (tests): the loop's default executor
+                        ran = await self._loop.run_in_executor(None, self.delivery.run_sync, prepared)
+                except asyncio.CancelledError:
+                    if runner.abandoned:
+                        return  # the watchdog reported this record
+                    raise
+                runner.current = None
+                self._report(ran)
+        finally:
+            with self._lock:
+                self._runners.discard(runner)
+
+    def _maybe_second_runner(self) -> None:
+        with self._lock:
+            if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
+                return
+            self._starting += 1
+        self._start_runners(1)

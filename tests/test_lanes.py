@@ -1,0 +1,185 @@
+"""Lanes (bridge/lanes.py): a partition's first deliveries run by a few runners, not a task and a hop per record.
+
+Real handler threads, a real SQLite store on disk; the records are built here (the Kafka path is covered by
+test_kafka_path and the fault suite).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.clock import SystemClock
+from bridge.first_delivery import FirstDelivery, Ran
+from bridge.handler_api import HandlerContext
+from bridge.lanes import Lane
+from bridge.live_config import LiveConfig
+from bridge.model import Outcome, Status
+from bridge.records import SourceRecord
+from bridge.registry import Registry
+from bridge.store import Store
+from bridge.threads import HandlerThreads
+from tests.helpers import engine_config, eventually
+
+
+class Rig:
+    """One lane of queue q over a real store, collecting what the lane reports."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.registry = Registry()
+        self.results: list[Ran] = []
+        self.store: Store | None = None
+        self.threads: HandlerThreads | None = None
+
+    async def lane(self, handler: Callable[..., Any], limit: int = 16, **queue: Any) -> Lane:
+        self.registry.register("h", handler)
+        config = engine_config(str(self.tmp_path / "rdq.db"), q={"handler": "h", **queue})
+        self.store = await Store.open(config.store.path)
+        self.threads = HandlerThreads(lambda q: 8 + limit)
+        self.delivery = FirstDelivery(self.store, LiveConfig(config), self.registry, SystemClock(), self.threads,
+                                      "test-1")
+        return Lane(("t", 0), "q", self.delivery, self.threads, limit, self._collect, lambda offset: False)
+
+    def _collect(self, lane: Lane, results: list[Ran]) -> None:
+        self.results.extend(results)
+
+    async def close(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown()
+        if self.store is not None:
+            await self.store.close()
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    r = Rig(tmp_path)
+    yield r
+    await r.close()
+
+
+def records(n: int, payload: bytes = b"{}") -> list[SourceRecord]:
+    return [SourceRecord("t", 0, i, None, payload, None, ()) for i in range(n)]
+
+
+async def test_a_fast_sync_handler_runs_on_one_runner_in_offset_order(rig: Rig) -> None:
+    seen: list[int] = []
+    threads: set[int] = set()
+
+    def fast(ctx: HandlerContext) -> None:
+        seen.append(int(ctx.source.rsplit("/", 1)[1]))
+        threads.add(threading.get_ident())
+
+    lane = await rig.lane(fast)
+    lane.add(records(2000))
+    assert await eventually(lambda: len(rig.results) == 2000)
+    assert all(r.task is None for r in rig.results)
+    # One hop onto the handler threads ran them (a runner per record would have spread them over the pool).
+    assert len(threads) == 1
+    assert seen == list(range(2000))
+
+
+async def test_a_slow_sync_handler_gets_the_partitions_concurrency(rig: Rig) -> None:
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def slow(ctx: HandlerContext) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.05)  # waits on I/O, say
+        with lock:
+            running -= 1
+
+    lane = await rig.lane(slow, limit=8)
+    began = time.monotonic()
+    lane.add(records(64))
+    assert await eventually(lambda: len(rig.results) == 64, within=20)
+    assert most == 8  # up to the limit, never past it
+    assert time.monotonic() - began < 64 * 0.05 / 2  # well under what one runner would take (3.2 s)
+
+
+async def test_a_hung_record_is_abandoned_after_its_lease_and_the_records_behind_it_run(rig: Rig) -> None:
+    release = threading.Event()
+
+    def hangs_on_first(ctx: HandlerContext) -> None:
+        if ctx.source.endswith("/0"):
+            release.wait(30)  # never heartbeats
+
+    lane = await rig.lane(hangs_on_first, limit=1, lease="300ms")
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            lane.watch(time.monotonic())
+
+    dog = asyncio.create_task(watchdog())
+    try:
+        lane.add(records(5))
+        assert await eventually(lambda: len(rig.results) == 5, within=10)
+    finally:
+        dog.cancel()
+        release.set()
+    by_offset = {r.record.offset: r for r in rig.results}
+    hung = by_offset[0].task
+    assert hung is not None and hung.first_attempt is not None
+    assert hung.first_attempt.outcome == Outcome.LEASE_EXPIRED and hung.status == Status.PENDING
+    assert all(by_offset[i].task is None for i in range(1, 5))
+    # Its thread is counted stuck until the handler returns; its late success is not reported again.
+    assert rig.threads is not None and rig.threads.stuck() == {"q": 1}
+    await asyncio.sleep(0.2)
+    assert len(rig.results) == 5
+
+
+async def test_the_failures_of_a_batch_are_stored_in_a_few_group_commits(rig: Rig) -> None:
+    def fails(ctx: HandlerContext) -> None:
+        raise ConnectionError("down")
+
+    lane = await rig.lane(fails, max_attempts=3)
+    lane.add(records(1000))
+    assert await eventually(lambda: len(rig.results) == 1000, within=20)
+    assert rig.store is not None
+    before = rig.store.stats.batches
+    stored = await rig.delivery.store_all([r.task for r in rig.results if r.task is not None])
+    assert len(stored) == 1000 and all(s.status == Status.PENDING for s in stored)
+    assert rig.store.stats.batches - before <= 2  # one transaction (two if the first began early)
+    counts = await rig.store.counts()
+    assert counts["q"]["PENDING"] == 1000
+
+
+async def test_a_held_lane_starts_nothing_until_released(rig: Rig) -> None:
+    ran: list[int] = []
+    lane = await rig.lane(lambda ctx: ran.append(1))
+    lane.held = True
+    lane.add(records(10))
+    await asyncio.sleep(0.2)
+    assert ran == [] and len(lane.ready) == 10 and lane.ready_bytes == 20
+    lane.held = False
+    lane.dispatch()
+    assert await eventually(lambda: len(rig.results) == 10)
+    assert lane.ready_bytes == 0
+
+
+async def test_an_async_handler_runs_without_a_task_per_record_and_ramps_up_when_it_waits(rig: Rig) -> None:
+    running = 0
+    most = 0
+
+    async def waits(ctx: HandlerContext) -> None:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+
+    lane = await rig.lane(waits, limit=16)
+    lane.add(records(160))
+    assert await eventually(lambda: len(rig.results) == 160, within=20)
+    assert most == 16
