@@ -32,7 +32,7 @@ from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.first_delivery import FirstDelivery, Ran
-from bridge.lanes import Lane
+from bridge.lanes import CpuLoad, Lane
 from bridge.live_config import LiveConfig
 from bridge.model import Status
 from bridge.offsets import PartitionTracker
@@ -88,6 +88,7 @@ class SourceConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trackers: dict[TP, PartitionTracker] = {}
         self._lanes: dict[TP, Lane] = {}
+        self._load = CpuLoad()  # more runners for slow handlers only while the process is not computing flat out
         self._storing: dict[TP, set[asyncio.Task[None]]] = {}  # failures of a lane being stored
         self._suspects: dict[TP, list[tuple[int, int]]] = {}
         self._paused: set[TP] = set()
@@ -246,7 +247,8 @@ class SourceConsumer:
             queue = self.config.queue_for_topic(tp[0]) or ""
             lane = self._lanes[tp] = Lane(tp, queue, self.delivery, self.delivery.threads,
                                           self.config.kafka.partition_concurrency, self._on_results,
-                                          functools.partial(self._is_suspect, tp), self._counted_failure)
+                                          functools.partial(self._is_suspect, tp), self._counted_failure,
+                                          self._load)
         return lane
 
     async def _journal(self, ranges: list[tuple[str, int, int, int]]) -> None:
@@ -286,6 +288,7 @@ class SourceConsumer:
         current = self._lanes.get(lane.tp) is lane
         tracker = self._trackers.get(lane.tp) if current else None
         self.delivery.telemetry.metrics.records_seen(lane.queue_name, len(results))
+        self.delivery.count(lane.queue_name, results)
         failures = []
         for ran in results:
             if ran.task is None:
@@ -324,6 +327,7 @@ class SourceConsumer:
         while True:
             await asyncio.sleep(_WATCH_INTERVAL)
             now = time.monotonic()
+            self._load.sample(now)
             for lane in list(self._lanes.values()):
                 lane.watch(now)
 
@@ -333,7 +337,8 @@ class SourceConsumer:
             tracker.done(offset)
 
     def _is_suspect(self, tp: TP, offset: int) -> bool:
-        return any(lo <= offset <= hi for lo, hi in self._suspects.get(tp, ()))
+        ranges = self._suspects.get(tp)
+        return bool(ranges) and any(lo <= offset <= hi for lo, hi in ranges)  # type: ignore[union-attr]
 
     # ---- offsets -------------------------------------------------------------------------------------------
 

@@ -60,11 +60,14 @@ class Begun:
 
 @dataclass(slots=True)
 class Ran:
-    """A first delivery's end: `task` is what the record becomes (None: it succeeded)."""
+    """A first delivery's end: `task` is what the record becomes (None: it succeeded); `outcome` and `seconds`
+    of its handler, when one ran (the attempt metrics are counted by the batch, on the loop)."""
 
     record: SourceRecord
     queue_name: str
     task: NewTask | None
+    outcome: Outcome | None = None
+    seconds: float = 0.0
 
 
 class FirstDelivery:
@@ -96,7 +99,9 @@ class FirstDelivery:
         self.telemetry.metrics.record_seen(queue_name)  # every record, however it is handled
         prepared = self.prepare(record, queue_name, suspect)
         if isinstance(prepared, Begun):
-            task = (await self._run_watched(prepared)).task
+            ran = await self._run_watched(prepared)
+            self.count(queue_name, [ran])
+            task = ran.task
             if task is None:
                 return None
         else:
@@ -185,7 +190,8 @@ class FirstDelivery:
                 result = SUCCESS
             except Exception as e:
                 result = outcome_of_exception(e, begun.queue.errors)
-            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
+                                  None if result.ok else begun.ctx.task_id)
         return self.ended(begun, result)
 
     async def run_async(self, begun: Begun) -> Ran:
@@ -205,7 +211,8 @@ class FirstDelivery:
                 result = SUCCESS
             except Exception as e:
                 result = outcome_of_exception(e, begun.queue.errors)
-            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
+            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
+                                  None if result.ok else begun.ctx.task_id)
         return self.ended(begun, result)
 
     @staticmethod
@@ -234,13 +241,18 @@ class FirstDelivery:
         return self.ended(begun, result)
 
     def ended(self, begun: Begun, result: RunOutcome) -> Ran:
-        now = self.clock.now_ms()
-        self.telemetry.metrics.attempt(begun.queue_name, result.outcome, (now - begun.started_ms) / 1000)
+        seconds = time.monotonic() - begun.began
         if result.ok:
-            return Ran(begun.record, begun.queue_name, None)
-        return Ran(begun.record, begun.queue_name,
-                   self._failed_task(begun.record, begun.queue_name, begun.queue, begun.ctx.headers,
-                                     begun.ctx.task_id, begun.handler.version, begun.started_ms, result))
+            return Ran(begun.record, begun.queue_name, None, result.outcome, seconds)
+        task = self._failed_task(begun.record, begun.queue_name, begun.queue, begun.ctx.headers, begun.ctx.task_id,
+                                 begun.handler.version, begun.started_ms, result)
+        return Ran(begun.record, begun.queue_name, task, result.outcome, seconds)
+
+    def count(self, queue_name: str, results: list[Ran]) -> None:
+        """The attempt metrics of a batch of results (one lock, not one per record)."""
+        attempts = [(r.outcome, r.seconds) for r in results if r.outcome is not None]
+        if attempts:
+            self.telemetry.metrics.attempts.add(queue_name, attempts)
 
     # ---- the tasks records become --------------------------------------------------------------------
 

@@ -6,9 +6,10 @@ the loop (async handlers, remote queues) that takes records one after another of
 offset order, until none is left.
 
 - Concurrency within the partition (`partition_concurrency`) comes from more runners, started only when the
-  handler is slow: sync records that took >= `_SLOW` several in a row (then as many as there are records, up to
-  the limit), an async runner's record (a second runner waits its turn: it runs only if the first suspends).
-  A fast handler is run by one runner, as a bare consumer loop runs it: more threads would only fight for the GIL.
+  handler waits. Sync: records that took >= `_SLOW` several in a row, mostly not computing, start as many
+  runners as there are records, up to the limit. Async: a second runner waits its turn and runs only if the
+  first one's handler suspends. A fast handler is run by one runner, as a bare consumer loop runs it: more
+  threads would only fight for the GIL.
 - One watchdog for all lanes (the consumer calls `watch`): a record silent for a whole lease, or running past
   `queue_timeout`, is abandoned — its failure reported, its runner let go (a sync one's thread is counted stuck
   until it returns), a new runner takes the records after it.
@@ -37,6 +38,24 @@ _SLOW = 0.001
 _SLOW_STREAK = 3
 # The watchdog adds a runner when every runner is on a record this old (the first records of a lane may hang).
 _STALLED = 0.1
+# No runner is added while the process computes at least this much of a core: its threads already hold the GIL
+# all the time, so handlers that looked slow were waiting for it, and more threads would only lengthen the wait.
+_BUSY = 0.8
+
+
+class CpuLoad:
+    """The process's CPU use, sampled by the consumer's watchdog (every quarter second at most)."""
+
+    def __init__(self) -> None:
+        self._since = (time.monotonic(), time.process_time())
+        self.busy = False
+
+    def sample(self, now: float) -> None:
+        began, cpu_then = self._since
+        if now - began >= 0.25:
+            cpu = time.process_time()
+            self.busy = (cpu - cpu_then) / (now - began) >= _BUSY
+            self._since = (now, cpu)
 
 
 class Runner:
@@ -54,7 +73,8 @@ class Runner:
 class Lane:
     def __init__(self, tp: TP, queue_name: str, delivery: FirstDelivery, threads: HandlerThreads | None,
                  limit: int, on_results: Callable[[Lane, list[Ran]], None],
-                 is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None) -> None:
+                 is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None,
+                 load: CpuLoad | None = None) -> None:
         self.tp = tp
         self.queue_name = queue_name
         self.delivery = delivery
@@ -71,6 +91,7 @@ class Lane:
         # Called by the runner as soon as a record failed (before its task is stored): the consumer counts the
         # open task at once and may hold the lane (max_open_tasks) before the runner takes the next record.
         self._on_failure = on_failure
+        self._load = load or CpuLoad()
         self._loop = asyncio.get_running_loop()
         self._on_loop = delivery.runs_on_loop(queue_name) or threads is None
         self._call_soon = self._loop.call_soon if self._on_loop else self._loop.call_soon_threadsafe
@@ -136,8 +157,7 @@ class Lane:
             for runner, _, _ in overdue:
                 self._runners.discard(runner)
             spawn = 0
-            if self.ready and not self.held and not self._starting and len(self._runners) < self.limit and all(
-                    r.current is not None and now - r.current.began >= _STALLED for r in self._runners):
+            if self._stalled(now):
                 spawn = self._starting = 1
         for runner, begun, why in overdue:
             if runner.call is not None and self._threads is not None:
@@ -147,6 +167,15 @@ class Lane:
             self._report(self.delivery.abandoned(begun, why))
         if spawn:
             self._start_runners(spawn)
+
+    def _stalled(self, now: float) -> bool:
+        """Records wait and every runner is on an old one (or none is left): one more runner, if allowed."""
+        if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
+            return False
+        if not self._runners:
+            return True
+        return not self._load.busy and all(r.current is not None and now - r.current.began >= _STALLED
+                                           for r in self._runners)
 
     def _start_runners(self, n: int) -> None:
         """Start `n` runners (already counted in `_starting`)."""
@@ -187,7 +216,7 @@ class Lane:
             wake = not self._wake_pending
             self._wake_pending = True
             spawn = 0
-            if slow and self.ready and not self.held and not self._starting:
+            if slow and self.ready and not self.held and not self._starting and not self._load.busy:
                 spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
                 self._starting += spawn
         if wake:
@@ -207,16 +236,28 @@ class Lane:
                     self._report(Ran(record, self.queue_name, prepared))
                     continue
                 runner.current = prepared
+                cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
                 ran = self.delivery.run_sync(prepared)
                 with self._lock:
                     if runner.abandoned and runner not in self._runners:
                         return  # the watchdog reported this record; this thread was counted stuck
                     runner.current = None
-                streak = streak + 1 if time.monotonic() - prepared.began >= _SLOW else 0
+                streak = self._slow_streak(streak, time.monotonic() - prepared.began, cpu)
                 self._report(ran, streak >= _SLOW_STREAK)
         finally:
             with self._lock:
                 self._runners.discard(runner)
+
+    @staticmethod
+    def _slow_streak(streak: int, wall: float, cpu_before: float) -> int:
+        """Records in a row that took >= _SLOW mostly waiting (I/O: more runners help). The first is judged by
+        its wall time alone; the next ones also by this thread's CPU time: a record that computed for 1 ms (CPU:
+        more runners would only fight for the GIL) breaks the streak."""
+        if wall < _SLOW:
+            return 0
+        if streak and time.thread_time() - cpu_before >= wall / 2:
+            return 0
+        return streak + 1
 
     async def _drain_async(self, runner: Runner) -> None:
         """An async runner, on the loop. A second runner is started (once) to take the next record should this

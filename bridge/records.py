@@ -43,8 +43,10 @@ def trace_id(traceparent: str) -> str:
     return traceparent.split("-")[1]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SourceRecord:
+    """One fetched record (not frozen: a frozen dataclass's __init__ costs a microsecond more per record)."""
+
     topic: str
     partition: int
     offset: int
@@ -80,6 +82,8 @@ class SourceRecord:
 
     @property
     def content_type(self) -> str:
+        if not self.headers:
+            return "application/octet-stream"
         for name in CONTENT_TYPE_HEADERS:
             value = self.header_text(name)
             if value:
@@ -127,6 +131,11 @@ class TaskHeaders(Mapping[str, str]):
         if key == SOURCE and self._made is None:
             return self._record.source
         return self.made()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == SOURCE and self._made is None:
+            return self._record.source
+        return self.made().get(key, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.made())

@@ -73,7 +73,7 @@ class Sweeper:
             next_at = None if decision.retry_after is None else now + int(decision.retry_after * 1000)
             if await self.store.expire_lease(row, now, next_at):
                 reclaimed += 1
-                self.metrics.attempts.labels(row["queue"], "LEASE_EXPIRED").inc()
+                self.metrics.attempts.count(row["queue"], "LEASE_EXPIRED")
                 if next_at is None:
                     self.metrics.dead_of(row["queue"], "rdq.LeaseExpired")
                 if self.on_change:

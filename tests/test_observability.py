@@ -96,6 +96,37 @@ async def test_tracing_off_records_no_spans(kafka: KafkaEnv, tmp_path: Path, uni
         assert bridge.telemetry.metrics.records.labels("q")._value.get() == 1
 
 
+async def test_the_parent_based_sampler_builds_spans_only_for_sampled_records(
+        kafka: KafkaEnv, tmp_path: Path, unique: str, example_log_path: Path) -> None:
+    """sample_ratio 0: a record whose producer sampled it (flag 01) is traced through its retry; one marked
+    unsampled (00) and one without a traceparent are not — and the latter's task carries the decision (00), so
+    its retry and anything downstream of it are not traced either."""
+    from bridge.config import TelemetryConfig
+    from bridge.telemetry import sampler
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler(0.0))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry(TelemetryConfig(sample_ratio=0.0), provider=provider, group_id="g")
+    unsampled = "00-" + "c" * 32 + "-" + "d" * 16 + "-00"
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "flaky", "sources": [topic], "dlq_topic": f"dlq-{unique}", "max_attempts": 3,
+              "backoff": {"kind": "fixed", "base": "20ms"}}})
+    async with running_bridge(config, telemetry=telemetry) as bridge:
+        produce(config, topic, [(b"sampled", b'{"fail": 1}', [("traceparent", TRACEPARENT.encode())]),
+                                (b"unsampled", b'{"fail": 1}', [("traceparent", unsampled.encode())]),
+                                (b"root", b'{"fail": 1}', [])])
+        await wait_until(lambda: len(example_log(example_log_path)) == 3, what="three successes on retry")
+        await asyncio.sleep(0.2)
+        tasks = await bridge.store.list_tasks()
+    spans = exporter.get_finished_spans()
+    assert spans and {format(s.context.trace_id, "032x") for s in spans} == {TRACE}
+    assert sorted(s.attributes["rdq.attempt"] for s in spans if s.name == "attempt q") == [1, 2]
+    [root] = [t for t in tasks if "rdq.kafka.headers" not in t.headers]
+    assert root.headers["traceparent"].endswith("-00")  # the sampler's decision travels with the task
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
