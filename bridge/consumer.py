@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,7 @@ _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
 _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
+_JOURNALS_IN_FLIGHT = 4  # fetched batches waiting for their journal write before the poll waits too
 _WATCH_INTERVAL = 0.05  # how late past its lease a hung first delivery may be noticed
 _FLUSH_TIMEOUT = 15.0  # a revoke's last changelog transaction (the writer's own timeouts are shorter)
 
@@ -88,6 +90,7 @@ class SourceConsumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trackers: dict[TP, PartitionTracker] = {}
         self._lanes: dict[TP, Lane] = {}
+        self._journaling: deque[asyncio.Task[None]] = deque()  # fetched batches whose journal write is pending
         self._load = CpuLoad()  # more runners for slow handlers only while the process is not computing flat out
         self._storing: dict[TP, set[asyncio.Task[None]]] = {}  # failures of a lane being stored
         self._suspects: dict[TP, list[tuple[int, int]]] = {}
@@ -234,10 +237,26 @@ class SourceConsumer:
                 tracker.fetched(record.offset)
         self.stats["records"] += len(records)
         # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
+        # The journal write is not awaited here: the next poll overlaps it (it joins the failures' group commit),
+        # and the batch starts once it is durable, after the batches fetched before it.
         ranges = [(t, p, _first(self._trackers[(t, p)].lowest_pending, batch[-1].offset), batch[-1].offset)
                   for (t, p), batch in by_partition.items()]
+        while len(self._journaling) >= _JOURNALS_IN_FLIGHT:
+            await asyncio.wait([self._journaling[0]])
+        previous = self._journaling[-1] if self._journaling else None
+        task = asyncio.create_task(self._journal_then_start(ranges, by_partition, previous), name="rdq-journal")
+        self._journaling.append(task)
+        task.add_done_callback(self._journaling.remove)
+
+    async def _journal_then_start(self, ranges: list[tuple[str, int, int, int]],
+                                  by_partition: dict[TP, list[SourceRecord]], previous: asyncio.Task[None] | None,
+                                  ) -> None:
         await self._journal(ranges)
+        if previous is not None:
+            await asyncio.wait([previous])  # fetch order
         for tp, batch in by_partition.items():
+            if tp not in self._trackers:
+                continue  # revoked meanwhile: left uncommitted for the next owner
             self._lane(tp).add(batch)
             self._start_ready(tp)
 
@@ -683,6 +702,8 @@ class SourceConsumer:
 
     async def _shutdown(self) -> None:
         """Stop consuming; let running first deliveries finish within the grace period; commit; close."""
+        if self._journaling:
+            await asyncio.wait(list(self._journaling), timeout=self.grace_period)
         lanes = list(self._lanes.values())
         for lane in lanes:
             lane.let_go()

@@ -288,26 +288,33 @@ class FirstDelivery:
     # ---- storing --------------------------------------------------------------------------------------
 
     async def store_all(self, tasks: list[NewTask]) -> list[Stored]:
-        """Store a batch of failures until durable (submitted together: they share group commits). While the
-        store fails, the consumer is paused; no record is ever dropped."""
-        stored = await asyncio.gather(*(self._store(t) for t in tasks))
-        return list(stored)
-
-    async def _store(self, task: NewTask) -> Stored:
+        """Store a batch of failures until every one is durable (submitted together: they share group commits).
+        Those the store refuses are retried with backoff while the consumer is paused; none is ever dropped."""
+        waiting = list(tasks)
         delay = 0.05
         while True:
             try:
-                await self.store.submit(task)
-                break
-            except StoreError as e:
-                log.error("cannot store a failed record (retrying; consumption paused): %s", e,
+                errors: list[StoreError | None] = await self.store.submit_many(waiting)
+            except StoreError as e:  # the store is closed
+                errors = [e] * len(waiting)
+            failed = [(task, error) for task, error in zip(waiting, errors, strict=True) if error is not None]
+            for task, error in failed[:1]:
+                log.error("cannot store %d failed records (retrying; consumption paused): %s", len(failed), error,
                           extra={"task_id": task.id, "queue": task.queue})
-                if self.on_store_health:
-                    self.on_store_health(False)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _STORE_RETRY_MAX)
+            if not failed:
+                break
+            if self.on_store_health:
+                self.on_store_health(False)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _STORE_RETRY_MAX)
+            waiting = [task for task, _ in failed]
         if self.on_store_health:
             self.on_store_health(True)
+        for task in tasks:
+            self._stored(task)
+        return [Stored(task.status, task.id) for task in tasks]
+
+    def _stored(self, task: NewTask) -> None:
         metrics = self.telemetry.metrics
         metrics.tasks_created.labels(task.queue, task.status.value).inc()
         if task.status == Status.DEAD:
@@ -317,4 +324,3 @@ class FirstDelivery:
                 self.on_dead(task.queue)
         elif self.on_pending:
             self.on_pending(task.queue)
-        return Stored(task.status, task.id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -92,6 +93,14 @@ def _attempt_params(task_id: str, report: RunReport, attempt_no: int, redrive_no
     attempt = Attempt(attempt_no, redrive_no, report.started_at, report.finished_at, report.outcome,
                       report.error, report.worker, late_result_of)
     return attempt.params(task_id)
+
+
+def _insert_task(task: NewTask, conn: sqlite3.Connection) -> str:
+    """One first-delivery failure (the path a batch falls back to when its bulk insert failed)."""
+    conn.execute(q("insert_task"), task.params())
+    if task.first_attempt is not None:
+        conn.execute(q("insert_first_attempt"), task.first_attempt.params(task.id))
+    return task.id
 
 
 class Store:
@@ -322,13 +331,27 @@ class Store:
         """Store a first-delivery failure durably; returns once COMMIT returned. A record that already has a task
         in this store (same `rdq.source` and timestamp) is not stored again: the existing task stands for it."""
 
-        def insert(conn: sqlite3.Connection) -> str:
-            conn.execute(q("insert_task"), task.params())
-            if task.first_attempt is not None:
-                conn.execute(q("insert_first_attempt"), task.first_attempt.params(task.id))
-            return task.id
+        return await self._submit(functools.partial(_insert_task, task), new_task=task)
 
-        return await self._submit(insert, new_task=task)
+    async def submit_many(self, tasks: list[NewTask]) -> list[StoreError | None]:
+        """Store a batch of first-delivery failures: queued together, so they share group commits (one when the
+        writer is idle), without an asyncio task each. Per task: None once durable, or the StoreError it got
+        (one bad row fails alone)."""
+        if self._writer is None or self._writer.done():
+            raise StoreError("the store is closed")
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
+        for task in tasks:
+            future: asyncio.Future[Any] = loop.create_future()
+            self._queue.put_nowait(_Op(functools.partial(_insert_task, task), future, task))
+            futures.append(future)
+        outcomes = await asyncio.gather(*futures, return_exceptions=True)
+        errors: list[StoreError | None] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, StoreError):
+                raise outcome
+            errors.append(outcome if isinstance(outcome, StoreError) else None)
+        return errors
 
     # ---- claim and lease -------------------------------------------------------------------------------
 

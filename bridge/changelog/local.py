@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from bridge.changelog.codec import Restored, Unreadable, decode, encode
 from bridge.queries import q
 from bridge.store import Store
@@ -43,10 +45,23 @@ class LocalIndex:
 
     async def outbox(self, limit: int, exclude: frozenset[str] = frozenset()) -> list[Entry]:
         def read(conn: sqlite3.Connection) -> list[Entry]:
-            rows = conn.execute(q("changelog_outbox"), {"limit": limit}).fetchall()
-            return [self._entry(conn, row) for row in rows if row["id"] not in exclude]
+            rows = [r for r in conn.execute(q("changelog_outbox"), {"limit": limit}).fetchall()
+                    if r["id"] not in exclude]
+            # Attempts and redrives in two queries for the whole batch, not two per task.
+            ids = {"ids": orjson.dumps([r["id"] for r in rows]).decode()}
+            attempts: dict[str, list[sqlite3.Row]] = {}
+            for a in conn.execute(q("attempts_of_many"), ids):
+                attempts.setdefault(a["task_id"], []).append(a)
+            redrives: dict[str, list[sqlite3.Row]] = {}
+            for r in conn.execute(q("redrives_of_many"), ids):
+                redrives.setdefault(r["task_id"], []).append(r)
+            return [Entry(row["id"], (row["home_topic"], row["home_partition"]), row["version"],
+                          encode(row, attempts.get(row["id"], []), redrives.get(row["id"], []), row["version"]))
+                    for row in rows]
 
-        return await self.store._read(read)
+        # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
+        # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).
+        return await self.store._scan(read)
 
     async def premigration(self, limit: int) -> list[Entry]:
         """Tasks stored before the changelog existed (any partition): the first start writes them to it."""
@@ -100,7 +115,7 @@ class LocalIndex:
         def read(conn: sqlite3.Connection) -> set[str]:
             return {i for i in wanted if conn.execute(q("changelog_unlogged_of"), {"id": i}).fetchone()}
 
-        return await self.store._read(read)
+        return await self.store._scan(read)
 
     # ---- homes -----------------------------------------------------------------------------------------
 

@@ -220,6 +220,13 @@ SELECT * FROM attempts WHERE task_id = :id ORDER BY seq;
 -- name: get_redrives
 SELECT * FROM redrives WHERE task_id = :id ORDER BY redrive_no;
 
+-- name: attempts_of_many
+-- The attempts of several tasks at once (:ids is a JSON array), for the changelog outbox.
+SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
+
+-- name: redrives_of_many
+SELECT * FROM redrives WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, redrive_no;
+
 -- name: list_tasks
 SELECT * FROM tasks
  WHERE (:queue IS NULL OR queue = :queue) AND (:status IS NULL OR status = :status)
