@@ -44,6 +44,7 @@ from bridge.telemetry import Telemetry
 log = logging.getLogger(__name__)
 TP = tuple[str, int]
 _BATCH = 500
+_FIRST_POLL = 4
 _BACKLOG_HIGH = 2000  # fetched records waiting per partition before it is paused
 _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
@@ -91,6 +92,8 @@ class SourceConsumer:
         self._trackers: dict[TP, PartitionTracker] = {}
         self._lanes: dict[TP, Lane] = {}
         self._journaling: deque[asyncio.Task[None]] = deque()  # fetched batches whose journal write is pending
+        # Records asked of one poll: a few at first, more as their sizes show the budget allows (_size_polls).
+        self._poll_size = _FIRST_POLL
         self._load = CpuLoad()  # more runners for slow handlers only while the process is not computing flat out
         self._storing: dict[TP, set[asyncio.Task[None]]] = {}  # failures of a lane being stored
         self._suspects: dict[TP, list[tuple[int, int]]] = {}
@@ -208,15 +211,24 @@ class SourceConsumer:
         assert self._consumer is not None
         next_flush = 0.0
         while not stop.is_set():
-            messages = await self._call(self._consumer.consume, _BATCH, _POLL_TIMEOUT)
+            messages = await self._call(self._consumer.consume, self._poll_size, _POLL_TIMEOUT)
             records = [SourceRecord.from_message(m) for m in messages if self._usable(m)]
             if records:
+                self._size_polls(records)
                 await self._accept(records)
             await self._apply_pauses()
             now = asyncio.get_running_loop().time()
             if now >= next_flush:
                 await self._flush_offsets()
                 next_flush = now + _OFFSET_FLUSH_INTERVAL
+
+    def _size_polls(self, records: list[SourceRecord]) -> None:
+        """One poll returns whatever librdkafka fetches within its timeout, past queued.max.messages.kbytes: with
+        large records, ask for fewer at a time, so a poll brings at most a quarter of the backlog's budget."""
+        average = sum(len(r.value) for r in records) / len(records)
+        budget = self.config.kafka.max_buffered_mb * 1024 * 1024 / 2
+        fits = int(budget / 4 / max(average, 1.0))
+        self._poll_size = max(1, min(_BATCH, fits, self._poll_size * 4))
 
     def _usable(self, msg: Any) -> bool:
         error = msg.error()

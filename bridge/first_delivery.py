@@ -13,11 +13,13 @@ retried (with the consumer paused through `on_store_health`): the record is neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from bridge.clock import Clock
 from bridge.config import QueueConfig
@@ -175,45 +177,50 @@ class FirstDelivery:
 
     def run_sync(self, begun: Begun) -> Ran:
         """Run a sync handler here (a handler thread) and say what it became. Never raises."""
-        telemetry = self.telemetry
         if not begun.sampled:
-            try:
-                begun.handler.fn(begun.ctx)
-                result = SUCCESS
-            except Exception as e:  # the handler's error is its outcome
-                result = outcome_of_exception(e, begun.queue.errors)
-            return self.ended(begun, result)
-        with telemetry.consume_span(begun.record, begun.queue_name, begun.ctx.headers), \
-                telemetry.attempt_span(begun.ctx, begun.queue_name, 1, begun.ctx.headers, inline=True) as span:
-            try:
-                begun.handler.fn(begun.ctx)
-                result = SUCCESS
-            except Exception as e:
-                result = outcome_of_exception(e, begun.queue.errors)
-            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
-                                  None if result.ok else begun.ctx.task_id)
+            return self.ended(begun, self._call_sync(begun))
+        with self._spans(begun) as span:
+            result = self._call_sync(begun)
+            self._end_span(span, begun, result)
         return self.ended(begun, result)
 
     async def run_async(self, begun: Begun) -> Ran:
         """Run an async handler and say what it became. Never raises but CancelledError (abandoned)."""
-        telemetry = self.telemetry
         if not begun.sampled:
-            try:
-                await begun.handler.fn(begun.ctx)  # type: ignore[misc]
-                result = SUCCESS
-            except Exception as e:
-                result = outcome_of_exception(e, begun.queue.errors)
-            return self.ended(begun, result)
-        with telemetry.consume_span(begun.record, begun.queue_name, begun.ctx.headers), \
-                telemetry.attempt_span(begun.ctx, begun.queue_name, 1, begun.ctx.headers, inline=True) as span:
-            try:
-                await begun.handler.fn(begun.ctx)  # type: ignore[misc]
-                result = SUCCESS
-            except Exception as e:
-                result = outcome_of_exception(e, begun.queue.errors)
-            telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
-                                  None if result.ok else begun.ctx.task_id)
+            return self.ended(begun, await self._call_async(begun))
+        with self._spans(begun) as span:
+            result = await self._call_async(begun)
+            self._end_span(span, begun, result)
         return self.ended(begun, result)
+
+    @staticmethod
+    def _call_sync(begun: Begun) -> RunOutcome:
+        try:
+            begun.handler.fn(begun.ctx)
+            return SUCCESS
+        except Exception as e:  # the handler's error is its outcome
+            return outcome_of_exception(e, begun.queue.errors)
+
+    @staticmethod
+    async def _call_async(begun: Begun) -> RunOutcome:
+        try:
+            await begun.handler.fn(begun.ctx)  # type: ignore[misc]
+            return SUCCESS
+        except Exception as e:
+            return outcome_of_exception(e, begun.queue.errors)
+
+    @contextlib.contextmanager
+    def _spans(self, begun: Begun) -> Iterator[Any]:
+        """The consume span and the attempt span under it (a sampled record's)."""
+        telemetry, headers = self.telemetry, begun.ctx.headers
+        with telemetry.consume_span(begun.record, begun.queue_name, headers), \
+                telemetry.attempt_span(begun.ctx, begun.queue_name, 1, headers, inline=True) as span:
+            yield span
+
+    def _end_span(self, span: Any, begun: Begun, result: RunOutcome) -> None:
+        if span is not None:
+            self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
+                                       None if result.ok else begun.ctx.task_id)
 
     @staticmethod
     def overdue(begun: Begun, now: float) -> str | None:

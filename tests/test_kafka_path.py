@@ -179,6 +179,43 @@ async def test_a_slow_handler_does_not_cap_a_partition_at_one_record(kafka: Kafk
     assert peak == 8  # one partition, eight records at a time; 40 records took ~2.5 s, not 20 s
 
 
+async def test_the_fetched_backlog_is_bounded_in_bytes_not_only_in_records(kafka: KafkaEnv, tmp_path: Path,
+                                                                             unique: str) -> None:
+    """0.9 MB records behind a slow handler: the bridge holds at most its share of `kafka.max_buffered_mb` of them
+    waiting (plus what one poll brings), not the 2,000 records a partition's count allows (2 GB)."""
+    from bridge.handler_api import HandlerContext
+    from bridge.registry import Registry
+
+    registry = Registry()
+    handled: list[int] = []
+
+    async def slow(ctx: HandlerContext) -> None:
+        await asyncio.sleep(0.1)
+        handled.append(len(ctx.payload))
+
+    registry.register("slow", slow)
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "slow", "sources": [topic], "dlq_topic": f"dlq-{unique}"}},
+        kafka={"topic_partitions": 1, "partition_concurrency": 1, "max_buffered_mb": 8,
+               "consumer": {"session.timeout.ms": 6000, "heartbeat.interval.ms": 1000,
+                            "fetch.max.bytes": 2_000_000, "max.partition.fetch.bytes": 2_000_000}})
+    payload = b"x" * 900_000  # under the broker's default max.message.bytes with its batch framing
+    peak = 0
+    async with running_bridge(config, registry) as bridge:
+        produce(config, topic, [(None, payload, []) for _ in range(60)])
+
+        def sample() -> bool:
+            nonlocal peak
+            peak = max(peak, bridge.consumer.backlog_bytes())
+            return len(handled) >= 60
+
+        await wait_until(sample, within=60, interval=0.01, what="all 60 records handled")
+    # Its share: half of 8 MB for one partition = 4 MB; a poll adds at most librdkafka's queue (4 MB) on top.
+    assert 0 < peak <= 8_500_000, peak
+    assert handled == [900_000] * 60  # nothing lost
+
+
 async def test_max_open_tasks_pauses_the_source_until_the_queue_drains(kafka: KafkaEnv, tmp_path: Path, unique: str,
                                                                         example_log_path: Path) -> None:
     topic = f"in-{unique}"

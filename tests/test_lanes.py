@@ -183,3 +183,35 @@ async def test_an_async_handler_runs_without_a_task_per_record_and_ramps_up_when
     lane.add(records(160))
     assert await eventually(lambda: len(rig.results) == 160, within=20)
     assert most == 16
+
+
+def test_a_failures_stack_reads_as_pythons_own_without_the_carets() -> None:
+    """format_stack skips what makes traceback.format_exception slow (a stat per frame, a parse per line for
+    the ^^^ markers); its text is otherwise the same, chained exceptions included."""
+    import re
+    import traceback
+
+    from bridge.runner import format_stack
+
+    def inner() -> None:
+        raise ValueError("boom")
+
+    def caused() -> None:
+        try:
+            inner()
+        except ValueError as e:
+            raise ConnectionError("down") from e
+
+    def during() -> None:
+        try:
+            caused()
+        except ConnectionError:
+            {}["missing"]  # raises KeyError while handling
+
+    for fail in (inner, caused, during):
+        try:
+            fail()
+        except Exception as e:
+            lines = "".join(traceback.format_exception(e)).splitlines(keepends=True)
+            expected = "".join(line for line in lines if not re.fullmatch(r"\s*[~^]+\s*", line))
+            assert format_stack(e) == expected
