@@ -38,6 +38,8 @@ class _Execution:
     running: Started | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     runner: asyncio.Task[None] | None = None  # referenced here so the event loop cannot collect it
+    started: bool = False  # holds a handler slot (claimed ahead, it may wait for one first)
+    recording: bool = False  # the handler returned; its outcome is being written (it holds no slot)
 
 
 class Scheduler:
@@ -56,7 +58,8 @@ class Scheduler:
         self.paused: set[str] = set()
         self._running: dict[str, _Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._slot_freed: dict[str, asyncio.Event] = {}
+        self._slot_freed: dict[str, asyncio.Event] = {}  # for the claim loop's idle wait
+        self._slot_open: dict[str, asyncio.Event] = {}  # for tasks claimed ahead, waiting for a slot (one-shot)
         self._late: set[asyncio.Task[Result]] = set()  # late successes of abandoned sync handlers, being recorded
         self._stopping = False
 
@@ -70,7 +73,20 @@ class Scheduler:
         return self._wake.setdefault(queue, asyncio.Event())
 
     def running_count(self, queue: str | None = None) -> int:
-        return sum(1 for e in self._running.values() if queue is None or e.task.queue == queue)
+        """Handlers running (the slots `concurrency` bounds): an attempt whose outcome is being written no longer
+        holds one — a retry waits for a handler slot, not for another task's fsync."""
+        return sum(1 for e in self._running.values()
+                   if e.started and not e.recording and (queue is None or e.task.queue == queue))
+
+    def _waiting_count(self, queue: str) -> int:
+        """Tasks claimed ahead of a slot (see `run_once`)."""
+        return sum(1 for e in self._running.values() if not e.started and e.task.queue == queue)
+
+    def _free_slot(self, queue: str) -> None:
+        self._slot_freed.setdefault(queue, asyncio.Event()).set()
+        opened = self._slot_open.pop(queue, None)
+        if opened is not None:
+            opened.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Claim and run until `stop`; one loop per configured queue (queues added by a reload join)."""
@@ -101,14 +117,14 @@ class Scheduler:
                     claimed = await self.run_once(name)
                 except StoreError as e:
                     log.error("claim failed: %s", e, extra={"queue": name})
-            if claimed == 0 or self.running_count(name) >= queue.concurrency:
+            if claimed == 0 or self._waiting_count(name) >= queue.concurrency:
                 await self._idle(name, queue, wake, stop)
 
     async def _idle(self, name: str, queue: QueueConfig, wake: asyncio.Event, stop: asyncio.Event) -> None:
         """Sleep until a slot frees (when full), the next task is due, a wake-up, or stop: whichever is first."""
         events = [wake, stop]
         timeout = _MAX_IDLE
-        if self.running_count(name) >= queue.concurrency:
+        if self._waiting_count(name) >= queue.concurrency:
             freed = self._slot_freed.setdefault(name, asyncio.Event())
             freed.clear()
             events.append(freed)
@@ -126,14 +142,16 @@ class Scheduler:
                 w.cancel()
 
     async def run_once(self, name: str) -> int:
-        """Claim as many due tasks as free slots allow and start them. Returns how many were claimed."""
+        """Claim due tasks for the free slots and as many again ahead of them, and start them. Returns how many
+        were claimed. Claiming ahead overlaps a claim's group commit with the handlers running: claiming only for
+        the slots free when the claim began, a queue of fast handlers ran at one claim's worth per commit."""
         queue = self.config.queue(name)
         if queue is None or self._stopping:
             return 0
-        free = queue.concurrency - self.running_count(name)
+        free = 2 * queue.concurrency - self.running_count(name) - self._waiting_count(name)
         handler = self.registry.get(queue.handler)
         if handler is not None and not handler.is_async and self.threads is not None:
-            free = min(free, self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
+            free = min(free, 2 * self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
         if free <= 0:
             return 0
         owner = f"{self.instance_id}"
@@ -149,7 +167,8 @@ class Scheduler:
     async def _execute(self, execution: _Execution) -> None:
         task = execution.task
         try:
-            await self._attempt(execution)
+            if await self._slot(execution):
+                await self._attempt(execution)
         except StoreError as e:
             # The outcome could not be written: the lease lapses and the sweep reclaims the task. Nothing lost.
             log.error("could not record the outcome: %s", e, extra={"task_id": task.id, "queue": task.queue})
@@ -158,7 +177,29 @@ class Scheduler:
         finally:
             self._running.pop(task.id, None)
             execution.done.set()
-            self._slot_freed.setdefault(task.queue, asyncio.Event()).set()
+            self._free_slot(task.queue)
+
+    async def _slot(self, execution: _Execution) -> bool:
+        """Wait for a handler slot. A task claimed ahead waits at most half its lease (its lease runs meanwhile)
+        and not through a stop: then it is handed back (PENDING at once, the attempt not counted)."""
+        task = execution.task
+        loop = asyncio.get_running_loop()
+        queue = self.config.queue(task.queue)
+        deadline = loop.time() + (queue.lease / 2 if queue is not None else 0.0)
+        while True:
+            queue = self.config.queue(task.queue)
+            if queue is None:
+                return True  # removed by a reload: the attempt leaves the lease to lapse
+            opened = self._slot_open.setdefault(task.queue, asyncio.Event())
+            if self.running_count(task.queue) < queue.concurrency and not self._stopping:
+                execution.started = True
+                return True
+            left = deadline - loop.time()
+            if self._stopping or left <= 0:
+                await self.store.release(task.id, task.lease_token, self.clock.now_ms())
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), left)
 
     async def _attempt(self, execution: _Execution) -> None:
         task = execution.task
@@ -186,6 +227,8 @@ class Scheduler:
             result = outcome_of(execution.running.future, queue.errors)
             self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
         self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
+        execution.recording = True
+        self._free_slot(task.queue)
         await self.record(task, queue, started, result)
 
     def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:

@@ -142,6 +142,11 @@ class AttemptMetrics:
         with self._lock:
             self._counts[(queue, outcome)] = self._counts.get((queue, outcome), 0) + n
 
+    def total(self, queue: str, outcome: Outcome) -> float:
+        """Attempts of `queue` that ended so."""
+        with self._lock:
+            return self._counts.get((queue, outcome.value), 0)
+
     def collect(self) -> Iterator[Any]:
         with self._lock:
             counts = dict(self._counts)

@@ -267,6 +267,33 @@ async def test_concurrency_is_bounded_per_queue(h: Harness) -> None:
     assert peak == 3
 
 
+async def test_tasks_claimed_ahead_wait_for_a_slot_and_hand_back_their_lease_after_half_of_it(h: Harness) -> None:
+    """The scheduler claims ahead of its free slots (a claim's commit overlaps the handlers). A task claimed
+    ahead never runs past `concurrency`, and one that waited half its lease is handed back uncounted."""
+    running = 0
+    peak = 0
+
+    def slow(ctx: HandlerContext) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        for _ in range(15):  # 1.5 s, heartbeating: longer than the lease of whoever waits behind it
+            time.sleep(0.1)
+            ctx.heartbeat()
+        running -= 1
+
+    h.registry.register("slow", slow)
+    engine = await h.start(q={"handler": "slow", "concurrency": 1, "lease": "1s",
+                              "heartbeat": {"interval": "100ms"}, **FAST})
+    ids = [await h.submit(handler="slow") for _ in range(3)]
+    tasks = [await h.wait_status(task_id, Status.SUCCEEDED, within=20) for task_id in ids]
+    assert peak == 1
+    # Each ran once after its first delivery: a wait in line, handed back, counted no attempt.
+    assert [t.attempt_count for t in tasks] == [2, 2, 2]
+    assert all([a.outcome for a in t.attempts] == [Outcome.RETRYABLE_FAILURE, Outcome.SUCCESS] for t in tasks)
+    assert engine.scheduler.running_count() == 0
+
+
 async def test_graceful_drain_releases_held_leases_at_once(h: Harness) -> None:
     started = asyncio.Event()
 
