@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import json
 import random
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -63,9 +64,15 @@ def new_task_id() -> str:
 
 
 def rfc3339(ms: int | None) -> str | None:
+    """ms since the epoch → `2026-07-20T14:03:22.200Z` (a DLQ envelope has a dozen of these per task)."""
     if ms is None:
         return None
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return f"{_rfc3339_seconds(ms // 1000)}.{ms % 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _rfc3339_seconds(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 def parse_rfc3339(value: str | None) -> int | None:
@@ -83,6 +90,9 @@ class ErrorInfo:
     type: str
     message: str = ""
     stack: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, "message": self.message, "stack": self.stack}
 
     @classmethod
     def from_exception(cls, exc: BaseException, stack: str | None = None) -> ErrorInfo:
@@ -142,7 +152,7 @@ class Attempt:
             "started_at": rfc3339(self.started_at),
             "finished_at": rfc3339(self.finished_at),
             "outcome": self.outcome.value,
-            "error": asdict(self.error) if self.error else None,
+            "error": self.error.to_json() if self.error else None,
             "worker": self.worker,
             **({"late_result_of": self.late_result_of} if self.late_result_of is not None else {}),
         }
@@ -244,7 +254,7 @@ class Task:
             "life_started_at": rfc3339(self.life_started_at),
             "finished_at": rfc3339(self.finished_at),
             "fetched_at": rfc3339(self.fetched_at),
-            "dead_reason": asdict(self.dead_reason) if self.dead_reason else None,
+            "dead_reason": self.dead_reason.to_json() if self.dead_reason else None,
             "dlq": {"state": self.dlq_state, "topic": self.dlq_topic, "partition": self.dlq_partition,
                     "offset": self.dlq_offset} if self.dlq_state else None,
         }  # fmt: skip

@@ -518,7 +518,8 @@ class Store:
 
         def read(conn: sqlite3.Connection) -> list[Task]:
             rows = conn.execute(q("dlq_outbox"), params).fetchall()
-            return [Task.from_row(r, self._attempts(conn, r["id"])) for r in rows]
+            attempts = self._attempts_of_many(conn, [r["id"] for r in rows])
+            return [Task.from_row(r, attempts.get(r["id"], ())) for r in rows]
 
         return await self._read(read)
 
@@ -639,6 +640,14 @@ class Store:
         await self._submit(lambda c: c.execute(q("journal_forget_run"), {"run_id": run_id}))
 
     # ---- reads -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _attempts_of_many(conn: sqlite3.Connection, ids: list[str]) -> dict[str, tuple[Attempt, ...]]:
+        """The attempts of a batch of tasks in one query (in order), not one query per task."""
+        found: dict[str, list[Attempt]] = {}
+        for row in conn.execute(q("attempts_of_many"), {"ids": json.dumps(ids)}):
+            found.setdefault(row["task_id"], []).append(Attempt.from_row(row))
+        return {task_id: tuple(attempts) for task_id, attempts in found.items()}
 
     @staticmethod
     def _attempts(conn: sqlite3.Connection, task_id: str) -> tuple[Attempt, ...]:

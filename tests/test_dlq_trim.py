@@ -49,3 +49,31 @@ def test_trimming_fits_as_tightly_as_it_says(limit: int) -> None:
     assert record.size <= limit
     body = json.loads(record.value)
     assert len(body["attempts"]) + len(body["trimmed"].get("attempts_removed", [])) == 300
+
+
+def test_the_envelope_encoding_is_byte_for_byte_compact_json() -> None:
+    """_encode uses orjson for speed; its bytes must be those of the stdlib's compact, non-ASCII-escaping JSON."""
+    import json
+    import random
+
+    from bridge.dlq import _encode
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        text = "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]))
+                       for _ in range(rng.randint(0, 30)))
+        body = {"a": text, "n": rng.randint(-2**62, 2**62), "list": [None, True, False, {"x": text}], text: 1}
+        assert _encode(body) == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def test_rfc3339_matches_datetime_formatting_to_the_millisecond() -> None:
+    import datetime as dt
+    import random
+
+    from bridge.model import rfc3339
+
+    rng = random.Random(3)
+    for ms in [0, 1, 999, 1000, -1, -1000, -1001, 1_800_000_000_123, *(rng.randint(-10**12, 4 * 10**12)
+                                                                          for _ in range(20_000))]:
+        expected = dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+        assert rfc3339(ms) == expected, ms
