@@ -2,6 +2,7 @@
 
     python -m bench.bench_kafka happy   [--n 100000]   # bridge + ok handler vs a bare consume/commit loop
                                                      # (sync, async, traced, traced with a 1% sampler)
+    python -m bench.bench_kafka bookkeeping [--n 100000]  # the bridge's per-record work inline, vs the bare loop
     python -m bench.bench_kafka failure [--n 20000]    # every first attempt fails → durable tasks, vs SQLite
     python -m bench.bench_kafka dlq     [--n 5000]     # DEAD tasks (5 attempts) published, vs a bare producer
     python -m bench.bench_kafka e2e     [--n 2000]     # first failure → successful retry, zero backoff
@@ -33,12 +34,17 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 import handlers  # noqa: F401 - the example handlers
 from bench.bench_engine import new_failures, plain_inserts
 from bench.common import percentile, record, rss_mib
+from bridge.clock import SystemClock
 from bridge.config import BridgeConfig, TelemetryConfig, parse_config
 from bridge.dlq import DlqPublisher, build_record
+from bridge.first_delivery import FirstDelivery
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics, make_admin, make_dlq_producer
+from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
+from bridge.offsets import PartitionTracker
 from bridge.queries import q
+from bridge.records import SourceRecord
 from bridge.registry import REGISTRY, Registry
 from bridge.service import Bridge, open_bridge
 from bridge.store import Store
@@ -194,6 +200,58 @@ def _store_last(consumer: Consumer, messages: list[Any]) -> None:
             last[(msg.topic(), msg.partition())] = msg
     for msg in last.values():
         consumer.store_offsets(message=msg)
+
+
+def bookkeeping_loop(bootstrap: str, topic: str, n: int, config: BridgeConfig) -> float:
+    """The bare loop doing the bridge's per-record work inline, on the one thread: SourceRecord, offset tracker,
+    prepare / run_sync / ended, batched attempt metrics, store_offsets. What the lanes' hand-offs between the
+    poll thread, the loop and the runner threads add is the bridge's rate minus this one (the next step)."""
+    delivery = FirstDelivery(None, LiveConfig(config), REGISTRY, SystemClock(), None, "bench")  # type: ignore[arg-type]
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"inline-{uuid.uuid4().hex}",
+                         "auto.offset.reset": "earliest", "enable.auto.offset.store": False,
+                         "partition.assignment.strategy": "cooperative-sticky"})
+    consumer.subscribe([topic])
+    trackers: dict[tuple[str, int], PartitionTracker] = {}
+    seen, first = 0, 0.0
+    while seen < n:
+        messages = consumer.consume(500, 0.5)
+        results = []
+        for fetched in (SourceRecord.from_message(m) for m in messages if m.error() is None):
+            tracker = trackers.setdefault((fetched.topic, fetched.partition), PartitionTracker())
+            tracker.fetched(fetched.offset)
+            prepared = delivery.prepare(fetched, "q")
+            assert not isinstance(prepared, NewTask)
+            results.append(delivery.run_sync(prepared))
+            tracker.done(fetched.offset)
+            seen += 1
+            first = first or time.perf_counter()
+        if results:
+            delivery.count("q", results)
+            _store_last(consumer, messages)
+    rate = (n - 1) / (time.perf_counter() - first)
+    consumer.close()
+    return rate
+
+
+async def bench_bookkeeping(bootstrap: str, n: int, runs: int) -> None:
+    bares, inline, ratios = [], [], []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
+        topic = config.queues["q"].sources[0]
+        ensure_topics(config)
+        produce(bootstrap, topic, n)
+        for _ in range(runs):
+            bare, _ = await asyncio.to_thread(bare_loop, bootstrap, topic, n)
+            rate = await asyncio.to_thread(bookkeeping_loop, bootstrap, topic, n, config)
+            bares.append(bare)
+            inline.append(rate)
+            ratios.append(rate / bare)
+    record("happy path, the bridge's per-record work on one thread (no hand-offs) vs the bare loop", [
+        f"records: {n} x 1 KB, {PARTITIONS} partitions; {runs} runs; steady-state rates",
+        f"bare confluent-kafka loop: {_spread(bares)} records/s",
+        f"the same loop doing the bridge's per-record work inline: {_spread(inline)} records/s; "
+        f"ratio min/median/max {_spread(ratios, '.2f')}",
+    ])
 
 
 def traced(sample_ratio: float = 1.0) -> Telemetry:
@@ -499,13 +557,15 @@ def produce_paced(bootstrap: str, topic: str, n: int, per_second: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["happy", "failure", "dlq", "e2e", "all"])
+    parser.add_argument("which", choices=["happy", "bookkeeping", "failure", "dlq", "e2e", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (min/median/max reported)")
     args = parser.parse_args()
     with broker() as bootstrap:
         if args.which in ("happy", "all"):
             asyncio.run(bench_happy(bootstrap, args.n or 100_000, args.runs))
+        if args.which == "bookkeeping":
+            asyncio.run(bench_bookkeeping(bootstrap, args.n or 100_000, args.runs))
         if args.which in ("failure", "all"):
             asyncio.run(bench_failure(bootstrap, args.n or 20_000, args.runs))
         if args.which in ("dlq", "all"):
