@@ -233,13 +233,19 @@ def bookkeeping_loop(bootstrap: str, topic: str, n: int, config: BridgeConfig) -
     return rate
 
 
+def ok_topic(bootstrap: str, tmp: Path, n: int) -> tuple[BridgeConfig, str]:
+    """A config with queue q on the `ok` handler, and its source topic filled with n records."""
+    config = bench_config(bootstrap, tmp, {"handler": "ok"})
+    topic = config.queues["q"].sources[0]
+    ensure_topics(config)
+    produce(bootstrap, topic, n)
+    return config, topic
+
+
 async def bench_bookkeeping(bootstrap: str, n: int, runs: int) -> None:
     bares, inline, ratios = [], [], []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
-        topic = config.queues["q"].sources[0]
-        ensure_topics(config)
-        produce(bootstrap, topic, n)
+        config, topic = ok_topic(bootstrap, Path(tmp), n)
         for _ in range(runs):
             bare, _ = await asyncio.to_thread(bare_loop, bootstrap, topic, n)
             rate = await asyncio.to_thread(bookkeeping_loop, bootstrap, topic, n, config)
@@ -289,10 +295,7 @@ async def bench_happy(bootstrap: str, n: int, runs: int) -> None:
     walls: dict[str, list[float]] = {v: [] for v in ["bare", *HAPPY_VARIANTS]}
     rss: list[float] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
-        topic = config.queues["q"].sources[0]
-        ensure_topics(config)
-        produce(bootstrap, topic, n)
+        config, topic = ok_topic(bootstrap, Path(tmp), n)
         for run in range(runs):
             bare, wall = await asyncio.to_thread(bare_loop, bootstrap, topic, n)
             rates["bare"].append(bare)

@@ -378,8 +378,12 @@ class SourceConsumer:
             tracker.done(offset)
 
     def _is_suspect(self, tp: TP, offset: int) -> bool:
+        """Asked by the lane's runner for each record (on a handler thread for a sync handler)."""
         ranges = self._suspects.get(tp)
-        return bool(ranges) and any(lo <= offset <= hi for lo, hi in ranges)  # type: ignore[union-attr]
+        if not ranges or not any(lo <= offset <= hi for lo, hi in ranges):
+            return False
+        self.stats["suspects"] += 1
+        return True
 
     # ---- offsets -------------------------------------------------------------------------------------------
 

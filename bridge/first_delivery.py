@@ -17,7 +17,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,7 +263,7 @@ class FirstDelivery:
 
     # ---- the tasks records become --------------------------------------------------------------------
 
-    def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: object,
+    def _failed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig, headers: Mapping[str, str],
                      task_id: str, version: str | None, started: int, result: RunOutcome) -> NewTask:
         now = self.clock.now_ms()
         assert result.error is not None
@@ -272,7 +272,7 @@ class FirstDelivery:
         dead = decision.retry_after is None
         return NewTask(
             queue=queue_name, handler_ref=queue.handler, payload=record.value,
-            headers=headers.made() if isinstance(headers, TaskHeaders) else dict(headers),  # type: ignore[call-overload]
+            headers=headers.made() if isinstance(headers, TaskHeaders) else dict(headers),
             status=Status.DEAD if dead else Status.PENDING, created_at=now, first_attempt=attempt,
             next_attempt_at=None if dead else now + int(decision.retry_after * 1000),  # type: ignore[operator]
             dead_reason=result.error if dead else None, handler_version=version,

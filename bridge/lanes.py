@@ -139,7 +139,6 @@ class Lane:
         with self._lock:
             self.ready.clear()
             self.ready_bytes = 0
-        with self._lock:
             for runner in self._runners:
                 runner.abandoned = True  # it reports what it is running, then takes nothing more
 

@@ -209,11 +209,15 @@ class Store:
     # ---- the group-commit writer -----------------------------------------------------------------------
 
     async def _submit(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None) -> T:
+        return await self._enqueue(fn, new_task)
+
+    def _enqueue(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None) -> asyncio.Future[T]:
+        """Queue one write for the next group commit; its future is resolved by the writer."""
         if self._writer is None or self._writer.done():
             raise StoreError("the store is closed")
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Op(fn, future, new_task))
-        return await future
+        return future
 
     async def _write_loop(self) -> None:
         while True:
@@ -337,14 +341,7 @@ class Store:
         """Store a batch of first-delivery failures: queued together, so they share group commits (one when the
         writer is idle), without an asyncio task each. Per task: None once durable, or the StoreError it got
         (one bad row fails alone)."""
-        if self._writer is None or self._writer.done():
-            raise StoreError("the store is closed")
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = []
-        for task in tasks:
-            future: asyncio.Future[Any] = loop.create_future()
-            self._queue.put_nowait(_Op(functools.partial(_insert_task, task), future, task))
-            futures.append(future)
+        futures = [self._enqueue(functools.partial(_insert_task, task), task) for task in tasks]
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         errors: list[StoreError | None] = []
         for outcome in outcomes:
