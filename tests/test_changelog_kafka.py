@@ -61,18 +61,22 @@ def instance(config: BridgeConfig, tmp_path: Path, name: str, log: Path) -> Brid
 
 
 def store_rows(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of `sql` in a bridge's store; none while the file or its schema is not there yet (a starting bridge
+    creates the file a moment before its tables, and a test polling it may look in between)."""
     if not db.exists():
         return []
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     try:
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tasks'").fetchone():
+            return []
         return conn.execute(sql).fetchall()
     finally:
         conn.close()
 
 
 def open_tasks(db: Path) -> int:
-    return int(store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT')")[0][0]) \
-        if db.exists() else 0
+    rows = store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT')")
+    return int(rows[0][0]) if rows else 0
 
 
 def changelog_states(config: BridgeConfig, topic: str) -> dict[str, dict[str, Any]]:
