@@ -58,6 +58,43 @@ async def test_every_transition_is_in_the_outbox_but_a_heartbeat_is_not(tmp_path
         await store.close()
 
 
+async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path) -> None:
+    """The outbox reads its rows as plain dicts (faster than sqlite3.Row by name): the records must be the same
+    bytes as the one-task path (a DLQ snapshot, the premigration) makes from `sqlite3.Row`s."""
+    from bridge.queries import q
+
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        task = on("src", 0, 1)
+        await store.submit(task)
+        [claimed] = await store.claim_due("q", 10, 30, "w", T0)
+        await store.record_retry(task.id, claimed.lease_token, report(Outcome.RETRYABLE_FAILURE), T0 + 5)
+        [entry] = await local.outbox(10)
+        one = await store._read(lambda c: LocalIndex._entry(c, c.execute(q("get_task"), {"id": task.id}).fetchone()))
+        assert entry == one
+        assert len(json.loads(entry.value or b"")["attempts"]) == 2
+    finally:
+        await store.close()
+
+
+async def test_unlogged_names_the_tasks_whose_last_transition_is_not_acknowledged(tmp_path: Path) -> None:
+    """What the changelog writer asks before letting a source offset pass a task (one query for the batch)."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        logged, waiting, moved_on = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
+        for task in (logged, waiting, moved_on):
+            await store.submit(task)
+        await local.mark_logged([e for e in await local.outbox(10) if e.task_id != waiting.id])
+        assert await local.unlogged([logged.id, waiting.id, moved_on.id, "no-such-task"]) == {waiting.id}
+        await store.claim_due("q", 10, 30, "w", T0)  # a new transition of each: none is acknowledged now
+        assert await local.unlogged([logged.id, moved_on.id]) == {logged.id, moved_on.id}
+        assert await local.unlogged([]) == set()
+    finally:
+        await store.close()
+
+
 async def test_only_active_homes_are_claimed_logged_or_swept(tmp_path: Path) -> None:
     store, local = await scoped_store(tmp_path)
     try:

@@ -37,6 +37,13 @@ class RestoreBatch:
     tombstones: int = 0
 
 
+def _dicts(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
+    """A query's rows as dicts: `sqlite3.Row` finds a column by name with a case-insensitive scan of every column,
+    which made encoding the outbox twice as slow (43 against 21 µs a task, 30 columns read by name)."""
+    names = [d[0] for d in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor]
+
+
 class LocalIndex:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -45,15 +52,14 @@ class LocalIndex:
 
     async def outbox(self, limit: int, exclude: frozenset[str] = frozenset()) -> list[Entry]:
         def read(conn: sqlite3.Connection) -> list[Entry]:
-            rows = [r for r in conn.execute(q("changelog_outbox"), {"limit": limit}).fetchall()
-                    if r["id"] not in exclude]
+            rows = [r for r in _dicts(conn.execute(q("changelog_outbox"), {"limit": limit})) if r["id"] not in exclude]
             # Attempts and redrives in two queries for the whole batch, not two per task.
             ids = {"ids": orjson.dumps([r["id"] for r in rows]).decode()}
-            attempts: dict[str, list[sqlite3.Row]] = {}
-            for a in conn.execute(q("attempts_of_many"), ids):
+            attempts: dict[str, list[dict[str, Any]]] = {}
+            for a in _dicts(conn.execute(q("attempts_of_many"), ids)):
                 attempts.setdefault(a["task_id"], []).append(a)
-            redrives: dict[str, list[sqlite3.Row]] = {}
-            for r in conn.execute(q("redrives_of_many"), ids):
+            redrives: dict[str, list[dict[str, Any]]] = {}
+            for r in _dicts(conn.execute(q("redrives_of_many"), ids)):
                 redrives.setdefault(r["task_id"], []).append(r)
             return [Entry(row["id"], (row["home_topic"], row["home_partition"]), row["version"],
                           encode(row, attempts.get(row["id"], []), redrives.get(row["id"], []), row["version"]))
@@ -110,10 +116,10 @@ class LocalIndex:
 
     async def unlogged(self, ids: Iterable[str]) -> set[str]:
         """Of these tasks, those with a transition the changelog has not acknowledged."""
-        wanted = list(ids)
+        wanted = {"ids": orjson.dumps(list(ids)).decode()}
 
         def read(conn: sqlite3.Connection) -> set[str]:
-            return {i for i in wanted if conn.execute(q("changelog_unlogged_of"), {"id": i}).fetchone()}
+            return {row[0] for row in conn.execute(q("changelog_unlogged_of"), wanted)}
 
         return await self.store._scan(read)
 

@@ -336,7 +336,8 @@ SELECT * FROM tasks
 UPDATE tasks SET logged_version = :version WHERE id = :id AND logged_version < :version;
 
 -- name: changelog_unlogged_of
-SELECT id FROM tasks WHERE id = :id AND version > logged_version;
+-- Of several tasks (:ids is a JSON array), those with a transition the changelog has not acknowledged.
+SELECT id FROM tasks WHERE id IN (SELECT value FROM json_each(:ids)) AND version > logged_version;
 
 -- name: tombstone_add
 INSERT INTO tombstones (task_id, home_topic, home_partition) VALUES (:id, :home_topic, :home_partition)
