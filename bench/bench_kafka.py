@@ -350,9 +350,10 @@ def regrouped(config: BridgeConfig, suffix: str, **kafka: Any) -> BridgeConfig:
 
 
 async def failure_run(bootstrap: str, tmp: Path, topic_config: BridgeConfig | None, n: int,
-                      changelog: bool = True) -> tuple[float, float, BridgeConfig, Bridge]:
-    """One bridge run where every first attempt fails: (steady-state stored/s, wall seconds, config, bridge).
-    Steady state: from the first PENDING task counted to the n-th (startup and group join apart)."""
+                      changelog: bool = True) -> tuple[float, float, BridgeConfig, Bridge, dict[str, float]]:
+    """One bridge run where every first attempt fails: (steady-state stored/s, wall seconds, config, bridge, the
+    changelog writer's busy share of the steady phase by step). Steady state: from the first PENDING task counted
+    to the n-th (startup and group join apart)."""
     registry = Registry()
 
     def always_fails(ctx: HandlerContext) -> None:
@@ -367,16 +368,22 @@ async def failure_run(bootstrap: str, tmp: Path, topic_config: BridgeConfig | No
     run = regrouped(config, f"{uuid.uuid4().hex[:6]}-{'on' if changelog else 'off'}")
     run = run.model_copy(update={"store": run.store.model_copy(update={"changelog": changelog})})
     marks: dict[str, float] = {}
+    writer: dict[str, dict[str, float]] = {}
 
     async def all_stored(bridge: Bridge) -> bool:
         created = bridge.telemetry.metrics.tasks_created.labels("q", "PENDING")._value.get()
         if created and "first" not in marks:
             marks["first"], marks["first_n"] = time.perf_counter(), created
+            writer["first"] = dict(bridge.changelog.writer.seconds) if bridge.changelog else {}
+        if created >= n and bridge.changelog:
+            writer["last"] = dict(bridge.changelog.writer.seconds)
         return bool(created >= n)
 
     elapsed, bridge = await run_bridge_until(run, all_stored, registry)
-    steady = (n - marks["first_n"]) / (time.perf_counter() - marks["first"])  # measured at the n-th, within 20 ms
-    return steady, elapsed, config, bridge
+    seconds = time.perf_counter() - marks["first"]  # measured at the n-th, within 20 ms
+    steady = (n - marks["first_n"]) / seconds
+    shares = {k: (writer["last"][k] - writer["first"][k]) / seconds for k in writer.get("last", {})}
+    return steady, elapsed, config, bridge, shares
 
 
 async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
@@ -385,13 +392,16 @@ async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
     baselines: list[float] = []
     ratios: list[float] = []
     batches: list[str] = []
+    writer: list[str] = []
     rss: list[float] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config: BridgeConfig | None = None
         for _ in range(runs):
-            rate, _, config, bridge = await failure_run(bootstrap, Path(tmp), config, n)
+            rate, _, config, bridge, shares = await failure_run(bootstrap, Path(tmp), config, n)
             batches.append(f"{bridge.store.stats.batches} (largest {bridge.store.stats.largest_batch})")
-            rate_off, _, _, _ = await failure_run(bootstrap, Path(tmp), config, n, changelog=False)
+            writer.append(f"{sum(shares.values()):.0%} (" + ", ".join(f"{k} {v:.0%}" for k, v in shares.items())
+                          + ")")
+            rate_off, _, _, _, _ = await failure_run(bootstrap, Path(tmp), config, n, changelog=False)
             baseline_path = Path(tmp) / f"plain-{uuid.uuid4().hex[:6]}.db"
             schema = await Store.open(baseline_path)
             await schema.close()
@@ -409,6 +419,8 @@ async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
         "  (goal >= 0.5 and >= 5000/s)",
         f"bridge, changelog off (SQLite only): {_spread(off)} records/s",
         f"store transactions per run (changelog on): {', '.join(batches)}",
+        "the changelog writer's share of the steady phase, by step (its rounds run one at a time: read the "
+        f"outbox, produce + commit the transaction, mark logged, release offsets): {'; '.join(writer)}",
         f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB",
     ])
 
@@ -434,8 +446,22 @@ async def dead_tasks(store: Store, n: int) -> None:
     await store._submit(more_attempts)
 
 
-async def dlq_run(bootstrap: str, tmp: Path, n: int) -> tuple[float, float, float]:
-    """(bare producer records/s, DLQ publisher records/s, envelope bytes) for n DEAD tasks."""
+def timed(spent: dict[str, float], name: str, fn: Any) -> Any:
+    """`fn` (a coroutine function) adding its time to spent[name]: where a serial loop's time goes."""
+
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - began
+
+    return wrapper
+
+
+async def dlq_run(bootstrap: str, tmp: Path, n: int) -> tuple[float, float, float, dict[str, float]]:
+    """(bare producer records/s, DLQ publisher records/s, envelope bytes, share of the publisher's time by step)
+    for n DEAD tasks."""
     config = bench_config(bootstrap, tmp, {"handler": "ok"})
     ensure_topics(config)
     store = await Store.open(config.store.path)
@@ -457,6 +483,12 @@ async def dlq_run(bootstrap: str, tmp: Path, n: int) -> tuple[float, float, floa
     bare = n / (time.perf_counter() - began)
     publisher = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
                              lambda: make_admin(config), _Clock(), asyncio.Event())  # production batch
+    # Its loop is serial: read a batch from the outbox, build and produce each, look for stuck entries; the
+    # acknowledgements and the "published" marks run beside it.
+    spent: dict[str, float] = {}
+    publisher.store.dlq_outbox = timed(spent, "outbox read", store.dlq_outbox)  # type: ignore[method-assign]
+    publisher._produce = timed(spent, "build + produce", publisher._produce)  # type: ignore[method-assign]
+    publisher._report_stuck = timed(spent, "stuck check", publisher._report_stuck)  # type: ignore[method-assign]
     stop = asyncio.Event()
     began = time.perf_counter()
     runner = asyncio.create_task(publisher.run(stop))
@@ -466,15 +498,17 @@ async def dlq_run(bootstrap: str, tmp: Path, n: int) -> tuple[float, float, floa
     stop.set()
     await runner
     await store.close()
-    return bare, n / elapsed, sum(len(r.value) for r in records) / n
+    return bare, n / elapsed, sum(len(r.value) for r in records) / n, {k: v / elapsed for k, v in spent.items()}
 
 
 async def bench_dlq(bootstrap: str, n: int, runs: int) -> None:
     bares, rates, ratios, rss = [], [], [], []
+    shares: list[str] = []
     size = 0.0
     for _ in range(runs):
         with tempfile.TemporaryDirectory(dir=".") as tmp:
-            bare, rate, size = await dlq_run(bootstrap, Path(tmp), n)
+            bare, rate, size, spent = await dlq_run(bootstrap, Path(tmp), n)
+        shares.append(", ".join(f"{k} {v:.0%}" for k, v in spent.items()))
         bares.append(bare)
         rates.append(rate)
         ratios.append(rate / bare)
@@ -484,6 +518,7 @@ async def bench_dlq(bootstrap: str, n: int, runs: int) -> None:
         f"baseline: bare idempotent producer, the same records pre-built: {_spread(bares)} records/s",
         f"bridge DLQ outbox, production batch 500 (read, build, produce, ack, mark published): {_spread(rates)} "
         f"records/s; ratio min/median/max {_spread(ratios, '.2f')}  (goal >= 0.8)",
+        f"the publisher's time by step, share of the run: {'; '.join(shares)}",
         f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB",
     ])
 
@@ -496,10 +531,11 @@ class _Clock:
 # ---- 6. end to end ------------------------------------------------------------------------------------------
 
 
-async def e2e_run(bootstrap: str, tmp: Path, n: int) -> tuple[list[float], float]:
+async def e2e_run(bootstrap: str, tmp: Path, n: int, changelog: bool = True) -> tuple[list[float], float]:
     """One run: (task created → succeeded latencies in ms, one durable store write's p50 in ms)."""
     config = bench_config(bootstrap, tmp, {"handler": "flaky", "max_attempts": 3,
                                            "backoff": {"kind": "fixed", "base": 0, "jitter": "none"}})
+    config = config.model_copy(update={"store": config.store.model_copy(update={"changelog": changelog})})
     topic = config.queues["q"].sources[0]
     ensure_topics(config)
     feeder: list[asyncio.Task[None]] = []
@@ -540,9 +576,14 @@ async def e2e_run(bootstrap: str, tmp: Path, n: int) -> tuple[list[float], float
 
 async def bench_e2e(bootstrap: str, n: int, runs: int) -> None:
     p50s, p99s, maxes, writes, rss = [], [], [], [], []
+    off_p50s, off_p99s = [], []
     for _ in range(runs):
         with tempfile.TemporaryDirectory(dir=".") as tmp:
             latencies, write = await e2e_run(bootstrap, Path(tmp), n)
+        with tempfile.TemporaryDirectory(dir=".") as tmp:
+            off, _ = await e2e_run(bootstrap, Path(tmp), n, changelog=False)
+        off_p50s.append(percentile(off, 50))
+        off_p99s.append(percentile(off, 99))
         p50s.append(percentile(latencies, 50))
         p99s.append(percentile(latencies, 99))
         maxes.append(max(latencies))
@@ -553,6 +594,8 @@ async def bench_e2e(bootstrap: str, n: int, runs: int) -> None:
         "production defaults (changelog on)",
         f"latency the scheduler adds (task created → succeeded), min/median/max over the runs: "
         f"p50 {_spread(p50s, '.1f')} ms, p99 {_spread(p99s, '.1f')} ms, max {_spread(maxes)} ms  (goal p99 < 50 ms)",
+        f"the same with the changelog off (SQLite only; the next step's measure): p50 {_spread(off_p50s, '.1f')} ms, "
+        f"p99 {_spread(off_p99s, '.1f')} ms",
         f"baseline: one durable store write, p50 {_spread(writes, '.2f')} ms",
         f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB",
     ])

@@ -222,9 +222,9 @@ class DlqPublisher:
         One entry that cannot be built or sent is given its own retry time and error (kept in the store) and the
         others go on: nothing about one task blocks the outbox, or stops the bridge."""
         sent = 0
-        for task in await self.store.dlq_outbox(self.batch + len(self._pending), self.clock.now_ms()):
+        for task in await self.store.dlq_outbox(self.batch, self.clock.now_ms(), skip=self._pending):
             if task.id in self._pending:
-                continue
+                continue  # a guard: the read skipped the pending ones
             topic = self.topic_for(task)
             try:
                 limit = await self._limit(topic)

@@ -9,11 +9,15 @@ import json
 import random
 import sqlite3
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from ulid import ULID
+
+# A row of the store: sqlite3.Row, or a plain dict (faster to read by name, `store.dict_rows`).
+Row = sqlite3.Row | Mapping[str, Any]
 
 # Error types the bridge itself declares (distinct so an operator can tell them apart at 3am).
 UNROUTABLE = "rdq.Unroutable"
@@ -114,7 +118,7 @@ class Attempt:
     seq: int = 0
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> Attempt:
+    def from_row(cls, row: Row) -> Attempt:
         error = None
         if row["error_type"] is not None:
             error = ErrorInfo(row["error_type"], row["error_message"] or "", row["error_stack"])
@@ -196,7 +200,7 @@ class Task:
         return home_of(self.headers)
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row, attempts: tuple[Attempt, ...] = ()) -> Task:
+    def from_row(cls, row: Row, attempts: tuple[Attempt, ...] = ()) -> Task:
         reason = None
         if row["dead_reason_type"] is not None:
             reason = ErrorInfo(row["dead_reason_type"], row["dead_reason_message"] or "")

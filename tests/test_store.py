@@ -270,6 +270,17 @@ async def test_succeeded_tasks_are_purged_after_ttl(store: Store) -> None:
     assert await store._in_thread(lambda: store._conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]) == 0
 
 
+async def test_the_dlq_outbox_skips_entries_on_their_way(store: Store) -> None:
+    """The publisher asks for a batch past the entries it has sent and not yet marked: a full batch of new ones,
+    none of the pending read again."""
+    ids = [await store.submit(failure(dead=ErrorInfo("x", "y"))) for _ in range(5)]
+    first = [t.id for t in await store.dlq_outbox(2)]
+    assert len(first) == 2 and set(first) <= set(ids)
+    rest = [t.id for t in await store.dlq_outbox(10, skip=first)]
+    assert sorted(rest) == sorted(set(ids) - set(first))
+    assert [t.id for t in await store.dlq_outbox(10, skip=ids)] == []
+
+
 async def test_dead_tasks_are_purged_only_after_the_dlq_ack(store: Store) -> None:
     task_id = await store.submit(failure(dead=ErrorInfo("x", "y")))
     assert await store.purge("q", "finished", T0 + 10**9) == 0  # not yet published: never purged

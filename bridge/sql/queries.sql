@@ -180,8 +180,10 @@ VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
 
 -- name: dlq_outbox
 -- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
+-- :skip (a JSON array): entries already on their way, not read again.
 SELECT * FROM tasks
  WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND COALESCE(dlq_next_at, 0) <= :now
+   AND id NOT IN (SELECT value FROM json_each(:skip))
    AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
