@@ -6,7 +6,7 @@
     python -m bench.bench_kafka failure [--n 20000]    # every first attempt fails → durable tasks, vs SQLite
     python -m bench.bench_kafka dlq     [--n 5000]     # DEAD tasks (5 attempts) published, vs a bare producer
     python -m bench.bench_kafka e2e     [--n 2000]     # first failure → successful retry, zero backoff
-    python -m bench.bench_kafka all
+    python -m bench.bench_kafka all     # every one of the above
 
 A broker: KAFKA_BOOTSTRAP_SERVERS, or a local one started here (localkafka). The retry path and the scale
 figures are `python -m bench.bench_engine retry|scale`.
@@ -622,7 +622,7 @@ def main() -> None:
     with broker() as bootstrap:
         if args.which in ("happy", "all"):
             asyncio.run(bench_happy(bootstrap, args.n or 100_000, args.runs))
-        if args.which == "bookkeeping":
+        if args.which in ("bookkeeping", "all"):
             asyncio.run(bench_bookkeeping(bootstrap, args.n or 100_000, args.runs))
         if args.which in ("failure", "all"):
             asyncio.run(bench_failure(bootstrap, args.n or 20_000, args.runs))
