@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from bridge.admin_protocol import (
+    BreakerArgs,
     Command,
     GetArgs,
     ListArgs,
@@ -84,7 +85,7 @@ class AdminCommands:
     async def run(self, cmd: Command, progress: Progress) -> dict[str, Any]:
         handlers: dict[str, Callable[[Any, Command, Progress], Awaitable[dict[str, Any]]]] = {
             "redrive": self.redrive, "get": self.get, "list": self.list, "purge": self.purge, "pause": self.pause,
-            "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
+            "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats, "breaker": self.breaker,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 
@@ -250,8 +251,22 @@ class AdminCommands:
         self.engine.scheduler.wake(queue)  # queued tasks obey it from their next claim
         return {"queue": queue, "policy": self.engine.config.policy_of(effective)}
 
+    async def breaker(self, args: BreakerArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        """An operator's hand on a queue's circuit breaker (SPEC §11). `open` holds the queue until `close`; a
+        manual `pause` and the breaker don't fight: the queue runs only when neither holds it."""
+        queue = self._queue(args.queue)
+        breakers = self.engine.scheduler.breakers
+        breaker = breakers.of(queue)
+        by = f"{cmd.issued_by or 'an operator'} (key {cmd.key_id or 'none'})"
+        if args.action == "open":
+            breakers.report(breaker.force_open(by))
+        elif args.action == "close":
+            breakers.report(breaker.force_close(by))
+        return {"queue": queue, "breaker": breaker.status(), "paused": queue in self.engine.scheduler.paused}
+
     async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
         return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),
+                "breakers": self.engine.scheduler.breakers.status(),
                 "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names(),
                 "dlq_stuck": await self.store.dlq_stuck(), "threads_stuck": self.engine.threads.stuck(),
                 **({"changelog": await self.changelog_status()} if self.changelog_status else {})}

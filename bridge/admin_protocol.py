@@ -24,7 +24,7 @@ from bridge.model import Status, parse_rfc3339
 
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"
-COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats")
+COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker")
 
 
 class Refused(Exception):
@@ -114,9 +114,15 @@ class StatsArgs(_Args):
     pass
 
 
+class BreakerArgs(_Args):
+    queue: str = Field(min_length=1)
+    # open: hold the queue as an outage would (until `close`); close: release it (and reset its backoff).
+    action: Literal["open", "close", "status"]
+
+
 ARGS: dict[str, type[_Args]] = {
     "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
-    "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs,
+    "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs, "breaker": BreakerArgs,
 }  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
     rdq run --config F                      the bridge
     rdq topics | check-config --config F    create missing topics / validate a config
-    rdq redrive | get | list | purge | pause | resume | set-policy | stats --config F …
+    rdq redrive | get | list | purge | pause | resume | set-policy | stats | breaker --config F …
                                             signed commands on the admin topic; every instance answers
     rdq store stats | list | get --db PATH  read a store file directly, for when Kafka is down
 """
@@ -81,6 +81,8 @@ def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
         return {k: v for k, v in picked.items() if v is not None}
     if verb in ("pause", "resume"):
         return {"queue": args.queue}
+    if verb == "breaker":
+        return {"queue": args.queue, "action": args.action}
     if verb == "set-policy":
         return {"queue": args.queue, "policy": _policy_from(args)}
     return {}
@@ -235,6 +237,9 @@ def _add_admin_verbs(sub: Any) -> None:
     policy.add_argument("--policy-json", help='e.g. {"max_attempts": 8}')
     policy.add_argument("--clear", action="store_true", help="back to the config file's policy")
     _admin_parser(sub, "stats", "counts by queue and status, from every instance")
+    breaker = _admin_parser(sub, "breaker", "a queue's circuit breaker: hold it open (an outage), close it, or ask")
+    breaker.add_argument("action", choices=["open", "close", "status"])
+    breaker.add_argument("queue")
 
 
 def _add_store_verbs(sub: Any) -> None:

@@ -143,6 +143,27 @@ class HttpHandlerConfig(_Model):
     max_connections: int = Field(default=32, ge=1)
 
 
+class BreakerConfig(_Model):
+    """The queue's circuit breaker (SPEC §11): trips when, within `window`, at least `min_attempts` attempts ran and
+    at least `failure_ratio` of them failed retryably (an outage, not a record's fault)."""
+
+    enabled: bool = True
+    window: PositiveDuration = 30.0
+    min_attempts: int = Field(default=20, ge=1)
+    # An outage fails nearly everything; a stream with poison records or a flaky retry (half its first attempts
+    # failing, half their retries succeeding) stays well below.
+    failure_ratio: float = Field(default=0.8, gt=0.0, le=1.0)
+    # Open this long, then half-open; each re-trip soon after (a failed probe, or within `reset_after` of closing)
+    # doubles it, up to `max_open_for`.
+    open_for: PositiveDuration = 5.0
+    max_open_for: PositiveDuration = 60.0
+    reset_after: PositiveDuration = 60.0
+    # Half-open: this many tasks run as probes; after a success, retries are claimed at a limit growing from
+    # `probes` to the queue's concurrency over `ramp` (a recovering downstream is not stampeded).
+    probes: int = Field(default=1, ge=1)
+    ramp: Duration = 10.0
+
+
 class QueueConfig(_Model):
     handler: str = Field(min_length=1)
     sources: list[str] = Field(default_factory=list)
@@ -165,6 +186,7 @@ class QueueConfig(_Model):
     http: HttpHandlerConfig | None = None
     # The handler runs in remote workers (the socket protocol): this bridge stores and leases, never runs it.
     remote: bool = False
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -76,7 +76,8 @@ class FirstDelivery:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock,
                  threads: HandlerThreads | None, worker: str, on_dead: Callable[[str], None] | None = None,
                  on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None,
-                 on_pending: Callable[[str], None] | None = None) -> None:
+                 on_pending: Callable[[str], None] | None = None,
+                 on_attempts: Callable[[str, list[Outcome]], None] | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
@@ -86,6 +87,7 @@ class FirstDelivery:
         self.on_dead = on_dead
         self.on_store_health = on_store_health
         self.on_pending = on_pending  # a new PENDING task: the scheduler (or a waiting remote claim) looks now
+        self.on_attempts = on_attempts  # the outcomes of a batch of first attempts (the queue's circuit breaker)
         self.telemetry = telemetry or Telemetry()
         self._is_async: dict[str, bool] = {}
 
@@ -260,6 +262,8 @@ class FirstDelivery:
         attempts = [(r.outcome, r.seconds) for r in results if r.outcome is not None]
         if attempts:
             self.telemetry.metrics.attempts.add(queue_name, attempts)
+            if self.on_attempts is not None:
+                self.on_attempts(queue_name, [outcome for outcome, _ in attempts])
 
     # ---- the tasks records become --------------------------------------------------------------------
 

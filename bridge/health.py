@@ -29,7 +29,8 @@ class HealthServer:
     def __init__(self, telemetry: Telemetry, store: Store, admin_factory: Callable[[], AdminClient], host: str,
                  port: int, store_writable: Callable[[], bool] | None = None,
                  queues: Callable[[], list[str]] | None = None,
-                 restoring: Callable[[], set[str]] | None = None) -> None:
+                 restoring: Callable[[], set[str]] | None = None,
+                 breakers: Callable[[], dict[str, str]] | None = None) -> None:
         self.telemetry = telemetry
         self.store = store
         self.host = host
@@ -38,6 +39,9 @@ class HealthServer:
         self._store_writable = store_writable or (lambda: True)
         self._queues = queues or (lambda: [])
         self._restoring = restoring or (lambda: set())  # partitions restoring from their changelog
+        # Queues' circuit breakers, shown but not part of readiness: an open breaker is the downstream's outage,
+        # and an unready bridge would be restarted or taken out of service for it.
+        self._breakers = breakers or (lambda: {})
         self.broker_ok = False
         self.bound_port: int | None = None
 
@@ -58,7 +62,7 @@ class HealthServer:
 
     async def _readyz(self, request: web.Request) -> web.Response:
         body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok,
-                "restoring": sorted(self._restoring())}
+                "restoring": sorted(self._restoring()), "breakers": self._breakers()}
         return web.Response(text=json.dumps(body), status=200 if self.ready else 503,
                             content_type="application/json")
 

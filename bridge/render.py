@@ -43,10 +43,11 @@ def _stats(replies: list[dict[str, Any]]) -> str:
         stuck_dlq, stuck_threads = result.get("dlq_stuck", {}), result.get("threads_stuck", {})
         for queue in sorted(queues):
             counts = result["queues"].get(queue, {})
+            breaker = result.get("breakers", {}).get(queue, {}).get("state", "closed")
             rows.append([r["instance"], queue, *(counts.get(s, 0) for s in STATUSES),
-                         "yes" if queue in result.get("paused", []) else "",
+                         "yes" if queue in result.get("paused", []) else "", breaker,
                          stuck_dlq.get(queue, {}).get("entries", "") or "", stuck_threads.get(queue, "") or ""])
-    out = table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED", "DLQ-STUCK", "THREADS-STUCK"], rows)
+    out = table(["INSTANCE", "QUEUE", *STATUSES, "PAUSED", "BREAKER", "DLQ-STUCK", "THREADS-STUCK"], rows)
     partitions = [[r["instance"], name, p.get("open", 0), p.get("changelog_lag", 0),
                    "restoring" if p.get("restoring") else "ready", p.get("restored_tasks", ""),
                    p.get("restore_seconds", ""), p.get("unreadable", "") or ""]

@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bridge.breaker import Breaker, Breakers, State
 from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.handler_api import HandlerContext
@@ -40,12 +41,14 @@ class _Execution:
     runner: asyncio.Task[None] | None = None  # referenced here so the event loop cannot collect it
     started: bool = False  # holds a handler slot (claimed ahead, it may wait for one first)
     recording: bool = False  # the handler returned; its outcome is being written (it holds no slot)
+    probe: bool = False  # claimed by a half-open circuit breaker: its outcome decides the breaker
 
 
 class Scheduler:
     def __init__(self, store: Store, registry: Registry, config: LiveConfig, clock: Clock, instance_id: str,
                  threads: HandlerThreads | None = None, on_dead: Callable[[Task], None] | None = None,
-                 rand: Callable[[], float] = random.random, telemetry: Telemetry | None = None) -> None:
+                 rand: Callable[[], float] = random.random, telemetry: Telemetry | None = None,
+                 breakers: Breakers | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
@@ -55,7 +58,9 @@ class Scheduler:
         self.on_dead = on_dead
         self.rand = rand
         self.telemetry = telemetry or Telemetry()
-        self.paused: set[str] = set()
+        self.paused: set[str] = set()  # by an operator (admin `pause`)
+        self.breakers = breakers or Breakers(config, clock, self.telemetry.metrics)
+        self.breakers.on_change.append(lambda transition: self.wake(transition.queue))
         self._running: dict[str, _Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._slot_freed: dict[str, asyncio.Event] = {}  # for the claim loop's idle wait
@@ -64,6 +69,15 @@ class Scheduler:
         self._stopping = False
 
     # ---- the loop --------------------------------------------------------------------------------------
+
+    def held_queues(self) -> set[str]:
+        """Queues whose source partitions stay paused: by an operator, or by an open (or probing) breaker. The
+        queue runs only when neither holds it."""
+        return self.paused | self.breakers.holding()
+
+    def _limit(self, queue: QueueConfig, name: str) -> int:
+        """How many of the queue's retries may run now (its breaker may hold some or all of them back)."""
+        return self.breakers.of(name).concurrency(queue.concurrency)
 
     def wake(self, queue: str) -> None:
         """A task in `queue` may be due now (a new failure, a redrive): look again without waiting."""
@@ -120,14 +134,26 @@ class Scheduler:
             if claimed == 0 or self._waiting_count(name) >= queue.concurrency:
                 await self._idle(name, queue, wake, stop)
 
+    def _holding(self, name: str, queue: QueueConfig) -> bool:
+        """Nothing of this queue may be claimed now, whatever is due: paused by an operator, its breaker open, or
+        half-open with every probe out. (A wake-up — resume, a breaker's change — ends the wait.)"""
+        breaker = self.breakers.of(name)
+        probing = breaker.state == State.HALF_OPEN
+        return (name in self.paused or self._limit(queue, name) == 0
+                or (probing and breaker.probes_out >= breaker.config.probes))
+
     async def _idle(self, name: str, queue: QueueConfig, wake: asyncio.Event, stop: asyncio.Event) -> None:
         """Sleep until a slot frees (when full), the next task is due, a wake-up, or stop: whichever is first."""
         events = [wake, stop]
         timeout = _MAX_IDLE
-        if self._waiting_count(name) >= queue.concurrency:
+        limit = self._limit(queue, name)
+        full = self.running_count(name) + self._waiting_count(name) >= 2 * limit > 0
+        if self._waiting_count(name) >= queue.concurrency or full:
             freed = self._slot_freed.setdefault(name, asyncio.Event())
             freed.clear()
             events.append(freed)
+        elif self._holding(name, queue):
+            pass  # due tasks wait: looking at their due time again would only spin
         else:
             next_due = await self.store.next_due_at(name)
             if next_due is not None:
@@ -148,16 +174,35 @@ class Scheduler:
         queue = self.config.queue(name)
         if queue is None or self._stopping:
             return 0
-        free = 2 * queue.concurrency - self.running_count(name) - self._waiting_count(name)
+        breaker = self.breakers.of(name)
+        if breaker.state == State.HALF_OPEN:
+            return await self._probe(name, queue, breaker)
+        limit = self._limit(queue, name)
+        free = 2 * limit - self.running_count(name) - self._waiting_count(name)
         handler = self.registry.get(queue.handler)
         if handler is not None and not handler.is_async and self.threads is not None:
             free = min(free, 2 * self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
         if free <= 0:
             return 0
-        owner = f"{self.instance_id}"
-        tasks = await self.store.claim_due(name, free, queue.lease, owner, self.clock.now_ms())
+        return self._start(await self.store.claim_due(name, free, queue.lease, self.instance_id,
+                                                      self.clock.now_ms()))
+
+    async def _probe(self, name: str, queue: QueueConfig, breaker: Breaker) -> int:
+        """Half-open: claim the probes (the tasks due first), no more; with none waiting at all, close."""
+        free = breaker.config.probes - breaker.probes_out
+        if free <= 0:
+            return 0
+        tasks = await self.store.claim_due(name, free, queue.lease, self.instance_id, self.clock.now_ms())
+        if not tasks:
+            if await self.store.next_due_at(name) is None:
+                self.breakers.report(breaker.nothing_to_probe())
+            return 0
+        breaker.probes_out += len(tasks)
+        return self._start(tasks, probe=True)
+
+    def _start(self, tasks: list[Task], probe: bool = False) -> int:
         for task in tasks:
-            execution = _Execution(task)
+            execution = _Execution(task, probe=probe)
             self._running[task.id] = execution
             execution.runner = asyncio.create_task(self._execute(execution), name=f"rdq-task-{task.id}")
         return len(tasks)
@@ -176,6 +221,9 @@ class Scheduler:
             log.exception("scheduler error", extra={"task_id": task.id, "queue": task.queue})
         finally:
             self._running.pop(task.id, None)
+            if execution.probe and not execution.recording:  # handed back, or failed before its outcome
+                breaker = self.breakers.of(task.queue)
+                breaker.probes_out = max(0, breaker.probes_out - 1)
             execution.done.set()
             self._free_slot(task.queue)
 
@@ -191,11 +239,13 @@ class Scheduler:
             if queue is None:
                 return True  # removed by a reload: the attempt leaves the lease to lapse
             opened = self._slot_open.setdefault(task.queue, asyncio.Event())
-            if self.running_count(task.queue) < queue.concurrency and not self._stopping:
+            held = not execution.probe and self.breakers.of(task.queue).holds()
+            if not held and self.running_count(task.queue) < self._limit(queue, task.queue) and not self._stopping:
                 execution.started = True
                 return True
             left = deadline - loop.time()
-            if self._stopping or left <= 0:
+            # Held by the breaker: handed back at once, its attempt not spent (SPEC §11).
+            if self._stopping or left <= 0 or held:
                 await self.store.release(task.id, task.lease_token, self.clock.now_ms())
                 return False
             with contextlib.suppress(TimeoutError):
@@ -229,7 +279,7 @@ class Scheduler:
         self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
         execution.recording = True
         self._free_slot(task.queue)
-        await self.record(task, queue, started, result)
+        await self.record(task, queue, started, result, probe=execution.probe)
 
     def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:
         """Why the task must not run here at all: no such handler, or a version pin this handler does not meet.
@@ -286,8 +336,14 @@ class Scheduler:
             log.error("could not record a late success: %s", recording.exception())
 
     async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
-                     worker: str | None = None) -> Result:
+                     worker: str | None = None, probe: bool = False) -> Result:
         """Record an attempt's outcome under the task's lease token (also for remote workers' results)."""
+        if not result.lease_lost:  # an abandoned attempt's outcome says nothing of the downstream
+            breaker = self.breakers.of(task.queue)
+            if probe:
+                self.breakers.report(breaker.probe_result(result.outcome))
+            else:
+                self.breakers.record(task.queue, [result.outcome])
         now = self.clock.now_ms()
         report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id)
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}

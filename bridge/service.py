@@ -94,13 +94,14 @@ class Bridge:
         grace = config.engine.grace_period
         self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.threads,
                                       self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
-                                      telemetry=self.telemetry, on_pending=self.engine.scheduler.wake)
+                                      telemetry=self.telemetry, on_pending=self.engine.scheduler.wake,
+                                      on_attempts=self.engine.scheduler.breakers.record)
         self.changelog: Changelog | None = None
         if changelog_topics is not None:
             self.changelog = self._changelog(config, store, changelog_topics)
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
                                        lambda: make_consumer(config), grace,
-                                       paused_queues=lambda: self.engine.scheduler.paused, changelog=self.changelog)
+                                       paused_queues=self.engine.scheduler.held_queues, changelog=self.changelog)
         self.delivery.on_store_health = self.consumer.set_store_health
         self.admin: AdminLoop | None = None
         if config.admin is not None:
@@ -121,7 +122,9 @@ class Bridge:
             self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
                                        config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
                                        queues=self.live.queue_names,
-                                       restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring})
+                                       restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring},
+                                       breakers=lambda: {q: b["state"] for q, b in
+                                                         self.engine.scheduler.breakers.status().items()})
 
     def _changelog(self, config: BridgeConfig, store: Store, topics: dict[str, str]) -> Changelog:
         instance = self.engine.instance_id
@@ -153,6 +156,7 @@ class Bridge:
             *self.engine.parts(stop),
             asyncio.create_task(self.consumer.run(stop), name="rdq-consumer"),
             asyncio.create_task(self.dlq.run(stop), name="rdq-dlq"),
+            asyncio.create_task(self.engine.scheduler.breakers.run(stop), name="rdq-breakers"),
         ]
         if self.admin is not None:
             parts.append(asyncio.create_task(self.admin.run(stop), name="rdq-admin"))

@@ -77,6 +77,10 @@ class Metrics:
                                     ["partition"], registry=r)
         self.restore_seconds = Gauge("rdq_partition_restore_seconds", "Duration of the last restore",
                                      ["partition"], registry=r)
+        self.breaker_state = Gauge("rdq_breaker_state", "The queue's circuit breaker: 0 closed, 1 half-open, 2 open",
+                                   ["queue"], registry=r)
+        self.breaker_transitions = Counter("rdq_breaker_transitions", "Circuit breaker state changes, by the state "
+                                           "entered", ["queue", "to"], registry=r)
         self._error_types: dict[str, set[str]] = {}
         # Label children resolved once: the per-record path skips prometheus' label lookup.
         self._record_children: dict[str, Any] = {}

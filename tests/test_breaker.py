@@ -1,0 +1,129 @@
+"""The circuit breaker's state machine (SPEC §11), on a fake clock: what trips it, what it holds, how it probes."""
+
+from __future__ import annotations
+
+from bridge.breaker import Breaker, State
+from bridge.clock import FakeClock
+from bridge.config import BreakerConfig
+from bridge.model import Outcome
+
+OK, RETRY, PERMANENT, LAPSED = (Outcome.SUCCESS, Outcome.RETRYABLE_FAILURE, Outcome.PERMANENT_FAILURE,
+                                Outcome.LEASE_EXPIRED)
+
+
+class Clocks(FakeClock):
+    """Wall time for the held intervals and monotonic time for the window, advanced together."""
+
+    def monotonic(self) -> float:
+        return self.ms / 1000
+
+
+def breaker(**settings: object) -> tuple[Breaker, Clocks]:
+    clock = Clocks()
+    config = BreakerConfig(**{"window": 10, "min_attempts": 20, "failure_ratio": 0.8, "open_for": 5,
+                              "max_open_for": 40, "reset_after": 60, "probes": 2, "ramp": 10, **settings})
+    return Breaker("q", lambda: config, clock, clock.monotonic), clock
+
+
+def test_an_outage_trips_it_once_enough_attempts_failed_retryably() -> None:
+    b, _ = breaker()
+    assert b.record([RETRY] * 19) is None  # below min_attempts: a few failures are records' business
+    transition = b.record([LAPSED])
+    assert transition is not None and transition.after == State.OPEN and "20 of the last 20" in transition.why
+    assert b.holds() and b.concurrency(8) == 0
+
+
+def test_poison_records_and_permanent_failures_never_trip_it() -> None:
+    b, clock = breaker()
+    for _ in range(100):  # 1 in 50 fails for good, 1 in 50 retryably: far below the ratio
+        assert b.record([OK] * 48 + [PERMANENT, RETRY]) is None
+        clock.advance(0.1)
+    assert b.record([PERMANENT] * 500) is None  # the downstream answers "no": it is up
+    assert b.state == State.CLOSED and b.concurrency(8) == 8
+
+
+def test_failures_older_than_the_window_do_not_count() -> None:
+    b, clock = breaker()
+    b.record([RETRY] * 15)
+    clock.advance(11)
+    assert b.record([RETRY] * 15) is None  # 15 in the window, not 30
+    assert b.record([RETRY] * 5) is not None
+
+
+def test_half_open_after_open_for_then_a_probe_success_closes_with_a_ramp() -> None:
+    b, clock = breaker()
+    b.record([RETRY] * 20)
+    clock.advance(4.9)
+    assert b.tick() is None
+    clock.advance(0.1)
+    transition = b.tick()
+    assert transition is not None and transition.after == State.HALF_OPEN
+    assert b.holds() and b.concurrency(8) == 2  # the probes
+    assert b.record([RETRY] * 100) is None  # attempts that were running when it tripped decide nothing
+    b.probes_out = 1
+    transition = b.probe_result(OK)
+    assert transition is not None and transition.after == State.CLOSED and b.probes_out == 0
+    assert not b.holds()
+    assert b.concurrency(8) == 2  # the ramp starts at the probes...
+    clock.advance(5)
+    assert b.concurrency(8) == 5  # ...grows...
+    clock.advance(5)
+    assert b.concurrency(8) == 8  # ...to the queue's concurrency
+
+
+def test_a_failed_probe_reopens_it_for_twice_as_long_up_to_the_max() -> None:
+    b, clock = breaker()
+    b.record([RETRY] * 20)
+    durations = []
+    for _ in range(5):
+        clock.advance(b.open_for)
+        assert b.tick() is not None
+        durations.append(b.open_for)
+        transition = b.probe_result(RETRY)
+        assert transition is not None and transition.after == State.OPEN
+    assert durations == [5, 10, 20, 40, 40]
+    assert b.probe_result(OK) is None  # not half-open: a stray result changes nothing
+
+
+def test_a_flapping_downstream_waits_longer_each_time_it_re_trips_soon_after_closing() -> None:
+    b, clock = breaker()
+    transitions = 0
+    for _ in range(12):  # a minute and more of 2 s up, 2 s down
+        if b.record([RETRY] * 20) is not None:
+            transitions += 1
+        clock.advance(b.open_for)
+        if b.tick() is not None:
+            transitions += 1
+        if b.probe_result(OK) is not None:
+            transitions += 1
+        clock.advance(2)
+    assert b.open_for == 40  # doubled on each re-trip within reset_after, up to max_open_for
+    clock.advance(61)
+    b.record([RETRY] * 20)
+    assert b.open_for == 5  # an outage long after the last one starts over
+
+
+def test_an_operator_holds_it_open_until_closed_and_the_held_time_is_measured() -> None:
+    b, clock = breaker()
+    since = clock.now_ms()
+    transition = b.force_open("alice")
+    assert transition is not None and transition.after == State.OPEN and "alice" in transition.why
+    clock.advance(3600)
+    assert b.tick() is None  # no half-open while an operator holds it
+    assert b.status()["forced_by"] == "alice"
+    transition = b.force_close("alice")
+    assert transition is not None and transition.after == State.CLOSED
+    clock.advance(10)
+    assert b.waited_ms(since, clock.now_ms()) == 3_600_000
+    assert b.waited_ms(clock.now_ms() - 5000, clock.now_ms()) == 0
+    assert b.force_close("alice") is None
+
+
+def test_nothing_to_probe_with_closes_it_and_a_disabled_breaker_never_trips() -> None:
+    b, clock = breaker()
+    b.record([RETRY] * 20)
+    clock.advance(5)
+    b.tick()
+    assert b.nothing_to_probe() is not None and b.state == State.CLOSED
+    off, _ = breaker(enabled=False)
+    assert off.record([RETRY] * 1000) is None and off.state == State.CLOSED

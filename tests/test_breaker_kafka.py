@@ -1,0 +1,186 @@
+"""The circuit breaker on a real broker with a real HTTP downstream (SPEC §11): an outage is held, not spent."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from bridge.breaker import State
+from bridge.config import BridgeConfig
+from bridge.service import Bridge
+from localkafka.broker import free_port
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import aread_dlq, await_lag, kafka_config, lag, produce, running_bridge, wait_until
+
+pytestmark = pytest.mark.kafka
+
+# Small windows and open durations, so an outage of seconds is a test, not a coffee break.
+BREAKER = {"window": "5s", "min_attempts": 20, "open_for": "500ms", "max_open_for": "2s", "reset_after": "10s",
+           "ramp": "1s"}
+
+
+@dataclass
+class Downstream:
+    """The app behind the HTTP handler: 503 while `down`; per record, 400 for `permanent`, 503 for `poison`."""
+
+    down: bool = False
+    port: int = 0
+    succeeded: set[int] = field(default_factory=set)
+    requests: int = 0
+    refused_while_down: int = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        body = json.loads(await request.read())
+        if self.down:
+            self.refused_while_down += 1
+            return web.Response(status=503, text="payments API is down")
+        if body.get("kind") == "permanent":
+            return web.Response(status=400, text="bad record")
+        if body.get("kind") == "poison":
+            return web.Response(status=503, text="this record always fails")
+        self.succeeded.add(int(body["n"]))
+        return web.Response(status=200, text="ok")
+
+
+@pytest.fixture
+async def downstream() -> AsyncIterator[Downstream]:
+    state = Downstream()
+    app = web.Application()
+    app.router.add_post("/pay", state.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    state.port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", state.port).start()
+    yield state
+    await runner.cleanup()
+
+
+def config_for(kafka: KafkaEnv, tmp_path: Path, unique: str, port: int, **queue: Any) -> BridgeConfig:
+    return kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "payments", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}",
+              "http": {"url": f"http://127.0.0.1:{port}/pay", "timeout": "2s"},
+              "max_attempts": 3, "backoff": {"kind": "fixed", "base": "200ms"}, "breaker": BREAKER, **queue}})
+
+
+def transitions(bridge: Bridge) -> dict[str, float]:
+    return {s.labels["to"]: s.value for m in bridge.telemetry.metrics.breaker_transitions.collect()
+            for s in m.samples if s.name.endswith("_total")}
+
+
+async def test_an_outage_is_held_and_no_record_reaches_the_dlq(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                               downstream: Downstream) -> None:
+    """2,000 records while the downstream answers 503, max_attempts 3: afterwards all succeed, none is in the DLQ,
+    each task spent few attempts, and the source lag grew during the outage and drained after."""
+    config = config_for(kafka, tmp_path, unique, downstream.port)
+    topic = f"in-{unique}"
+    downstream.down = True
+    async with running_bridge(config) as bridge:
+        breaker = bridge.engine.scheduler.breakers.of("q")
+        produce(config, topic, [(None, json.dumps({"n": i}).encode(), []) for i in range(2000)])
+        await wait_until(lambda: breaker.state == State.OPEN, within=60, what="the breaker to open")
+        lags = []
+        for _ in range(20):  # four seconds of outage, past several failed probes
+            lags.append(await lag(config, topic))
+            await asyncio.sleep(0.2)
+        assert bridge.engine.scheduler.held_queues() == {"q"}
+        downstream.down = False
+        await wait_until(lambda: len(downstream.succeeded) == 2000, within=120, what="every record to succeed")
+        await await_lag(config, topic, 0, within=60)
+        tasks = await bridge.store.list_tasks("q", limit=10_000)
+        seen = transitions(bridge)
+    spent = collections.Counter(t.attempt_count for t in tasks)
+    print(f"tasks {len(tasks)}, attempts per task {dict(sorted(spent.items()))}, transitions {seen}, "
+          f"requests refused while down {downstream.refused_while_down}, lag during the outage {max(lags)}")
+    assert await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=1.0) == []
+    assert all(t.status == "SUCCEEDED" for t in tasks)
+    assert max(spent) <= 3 and sum(n for a, n in spent.items() if a == 3) <= len(tasks) // 10
+    # The breaker held the rest: far fewer requests reached the down app than 2,000 records x 3 attempts.
+    assert downstream.refused_while_down < 600, downstream.refused_while_down
+    assert max(lags) > 1000  # consumption stopped: the lag grew while the downstream was down
+    assert seen.get("open", 0) >= 1 and seen.get("closed", 0) >= 1
+
+
+async def test_poison_records_in_a_healthy_stream_never_open_it(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                                downstream: Downstream) -> None:
+    """1 in 50 records fails for good, 1 in 50 retryably for ever: the breaker stays closed and they reach the DLQ
+    after max_attempts as always, while the healthy records keep flowing."""
+    config = config_for(kafka, tmp_path, unique, downstream.port)
+    topic = f"in-{unique}"
+
+    def kind(i: int) -> str:
+        return "permanent" if i % 50 == 0 else "poison" if i % 50 == 25 else "ok"
+
+    batches = 10
+    async with running_bridge(config) as bridge:
+        for batch in range(batches):  # a stream, not one burst: healthy records flow while the poison retries
+            produce(config, topic, [(None, json.dumps({"n": i, "kind": kind(i)}).encode(), [])
+                                    for i in range(batch * 200, (batch + 1) * 200)])
+            await asyncio.sleep(0.3)
+        healthy = {i for i in range(batches * 200) if kind(i) == "ok"}
+        await wait_until(lambda: downstream.succeeded >= healthy, within=60, what="the healthy records")
+        dead = await wait_for_dlq(kafka, unique, 2 * batches * 4)
+        seen = transitions(bridge)
+        assert bridge.engine.scheduler.breakers.of("q").state == State.CLOSED
+    assert seen == {}, seen
+    reasons = collections.Counter(d.value["reason"]["type"] for d in dead)
+    attempts = collections.Counter(len(d.value["attempts"]) for d in dead)
+    assert len(dead) == 2 * batches * 4 and attempts == {1: batches * 4, 3: batches * 4}, (reasons, attempts)
+
+
+async def wait_for_dlq(kafka: KafkaEnv, unique: str, n: int) -> list[Any]:
+    found: list[Any] = []
+
+    async def enough() -> bool:
+        found[:] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=0.5, expect=n)
+        return len(found) >= n
+
+    await wait_until(enough, within=90, interval=0.5, what=f"{n} records in the DLQ")
+    return found
+
+
+async def test_a_flapping_downstream_does_not_thrash_it_and_loses_nothing(kafka: KafkaEnv, tmp_path: Path,
+                                                                          unique: str,
+                                                                          downstream: Downstream) -> None:
+    """Up 2 s, down 2 s: each re-trip soon after closing waits twice as long, so the transitions per minute stay
+    bounded; every record still succeeds once (max_attempts high: this is about churn, not exhaustion)."""
+    config = config_for(kafka, tmp_path, unique, downstream.port, max_attempts=50,
+                        breaker={**BREAKER, "window": "1s", "max_open_for": "8s"})
+    topic = f"in-{unique}"
+    n = 3200
+    async with running_bridge(config) as bridge:
+
+        async def flap() -> None:
+            while True:
+                downstream.down = not downstream.down
+                await asyncio.sleep(2)
+
+        began = asyncio.get_running_loop().time()
+        timeline: list[str] = []
+        bridge.engine.scheduler.breakers.on_change.append(
+            lambda t: timeline.append(f"{asyncio.get_running_loop().time() - began:.1f}s {t.after.value}"))
+        flapping = asyncio.create_task(flap())
+        try:
+            for batch in range(64):  # steady traffic through ~16 s of flapping: every down phase sees failures
+                await asyncio.to_thread(produce, config, topic, [(None, json.dumps({"n": i}).encode(), [])
+                                                                 for i in range(batch * 50, (batch + 1) * 50)])
+                await asyncio.sleep(0.25)
+            seen = transitions(bridge)
+        finally:
+            flapping.cancel()
+        downstream.down = False
+        await wait_until(lambda: len(downstream.succeeded) == n, within=120, what="every record to succeed")
+        await await_lag(config, topic, 0, within=60)
+    print(f"transitions over ~16 s of flapping: {seen}: {', '.join(timeline)}")
+    # Without the doubling, every failed probe re-opens it for 0.5 s again: a dozen openings and more in 16 s of
+    # 2 s cycles. With it, each opening waits longer (0.5, 1, 2, 4 s...).
+    assert 1 <= seen.get("open", 0) <= 6, seen
+    assert await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=1.0) == []
