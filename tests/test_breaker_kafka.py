@@ -184,3 +184,58 @@ async def test_a_flapping_downstream_does_not_thrash_it_and_loses_nothing(kafka:
     # 2 s cycles. With it, each opening waits longer (0.5, 1, 2, 4 s...).
     assert 1 <= seen.get("open", 0) <= 6, seen
     assert await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=1.0) == []
+
+
+async def test_an_operator_holds_a_healthy_queue_open_and_releases_it_and_forgeries_change_nothing(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """`breaker open` (signed) holds a healthy queue: nothing consumed, nothing claimed; `breaker close` releases
+    it. With a manual `pause` too, closing the breaker is not enough: the queue runs only when neither holds it.
+    Unsigned or badly signed `breaker` commands are refused and change nothing."""
+    from bridge.admin_protocol import encode_command
+    from bridge.handler_api import HandlerContext
+    from bridge.registry import Registry
+    from tests.test_admin import RawAdmin, admin_config, one
+
+    handled: list[int] = []
+    registry = Registry()
+
+    def ok(ctx: HandlerContext) -> None:
+        handled.append(1)
+
+    registry.register("ok", ok)
+    topic = f"in-{unique}"
+    config = admin_config(kafka, tmp_path, unique, {"q": {"handler": "ok", "sources": [topic]}})
+    raw = RawAdmin(config)
+    async with running_bridge(config, registry) as bridge:
+        breaker = bridge.engine.scheduler.breakers.of("q")
+
+        def forge() -> None:
+            _, value, _ = encode_command("breaker", {"queue": "q", "action": "open"}, "mallory", "none",
+                                         request_id="forged-unsigned")
+            raw.send(value)
+            _, value, headers = encode_command("breaker", {"queue": "q", "action": "open"}, "mallory",
+                                               config.admin.auth, request_id="forged-bad-sig")  # type: ignore[union-attr]
+            raw.send(value.replace(b"mallory", b"alice__"), headers)
+
+        await asyncio.to_thread(forge)
+        refusals = {r["request_id"]: r["error"]["type"] for r in await asyncio.to_thread(raw.replies, 2)}
+        assert refusals == {"forged-unsigned": "rdq.admin.Unsigned", "forged-bad-sig": "rdq.admin.BadSignature"}
+        assert breaker.state == State.CLOSED
+
+        result = await one(config, "breaker", {"queue": "q", "action": "open"})
+        assert result["breaker"]["state"] == "open" and "sre@test" in result["breaker"]["forced_by"]
+        produce(config, topic, [(None, b"{}", []) for _ in range(30)])
+        await asyncio.sleep(3)
+        assert handled == [] and await lag(config, topic) == 30  # held: not consumed
+        stats = await one(config, "stats", {})
+        assert stats["breakers"]["q"]["state"] == "open"
+
+        assert (await one(config, "pause", {"queue": "q"}))["paused"]
+        result = await one(config, "breaker", {"queue": "q", "action": "close"})
+        assert result["breaker"]["state"] == "closed" and result["paused"]
+        await asyncio.sleep(2)
+        assert handled == []  # still paused by the operator: neither may hold it for it to run
+        await one(config, "resume", {"queue": "q"})
+        await wait_until(lambda: len(handled) == 30, within=30, what="the 30 records after the release")
+        await await_lag(config, topic, 0)
+        assert (await one(config, "breaker", {"queue": "q", "action": "status"}))["breaker"]["state"] == "closed"
