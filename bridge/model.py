@@ -116,6 +116,7 @@ class Attempt:
     worker: str | None = None
     late_result_of: int | None = None
     seq: int = 0
+    note: str | None = None  # e.g. how long the task waited for its queue's circuit breaker before this attempt
 
     @classmethod
     def from_row(cls, row: Row) -> Attempt:
@@ -125,7 +126,7 @@ class Attempt:
         return cls(
             attempt_no=row["attempt_no"], redrive_no=row["redrive_no"], started_at=row["started_at"],
             finished_at=row["finished_at"], outcome=Outcome(row["outcome"]), error=error, worker=row["worker"],
-            late_result_of=row["late_result_of"], seq=row["seq"],
+            late_result_of=row["late_result_of"], seq=row["seq"], note=row["note"],
         )  # fmt: skip
 
     def params(self, task_id: str) -> dict[str, Any]:
@@ -135,7 +136,7 @@ class Attempt:
             "error_type": self.error.type if self.error else None,
             "error_message": self.error.message if self.error else None,
             "error_stack": self.error.stack if self.error else None,
-            "worker": self.worker, "late_result_of": self.late_result_of,
+            "worker": self.worker, "late_result_of": self.late_result_of, "note": self.note,
         }  # fmt: skip
 
     @classmethod
@@ -146,7 +147,7 @@ class Attempt:
             started_at=parse_rfc3339(data["started_at"]) or 0, finished_at=parse_rfc3339(data["finished_at"]) or 0,
             outcome=Outcome(data["outcome"]),
             error=ErrorInfo(error["type"], error.get("message") or "", error.get("stack")) if error else None,
-            worker=data.get("worker"), late_result_of=data.get("late_result_of"),
+            worker=data.get("worker"), late_result_of=data.get("late_result_of"), note=data.get("note"),
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -159,6 +160,7 @@ class Attempt:
             "error": self.error.to_json() if self.error else None,
             "worker": self.worker,
             **({"late_result_of": self.late_result_of} if self.late_result_of is not None else {}),
+            **({"note": self.note} if self.note is not None else {}),
         }
 
 

@@ -345,7 +345,8 @@ class Scheduler:
             else:
                 self.breakers.record(task.queue, [result.outcome])
         now = self.clock.now_ms()
-        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id)
+        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id,
+                           note=self._breaker_note(task, started))
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
         if result.ok:
             outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
@@ -368,6 +369,15 @@ class Scheduler:
         if not outcome.accepted:
             log.info("result refused: the task was re-queued or finished elsewhere", extra=extra)
         return outcome
+
+    def _breaker_note(self, task: Task, started: int) -> str | None:
+        """How long this task, due since `next_attempt_at`, waited for its queue's breaker before this attempt
+        (SPEC §11: the history tells "failed 5 times" from "failed during the outage")."""
+        due = task.next_attempt_at
+        waited = self.breakers.of(task.queue).waited_ms(due, started) if due is not None else 0
+        if waited < 1000:
+            return None
+        return f"waited {waited / 1000:.1f}s for the queue's circuit breaker (held during a downstream outage)"
 
     async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
         result = await self.store.record_dead(task.id, task.lease_token, report, reason)

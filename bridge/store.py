@@ -53,6 +53,7 @@ class RunReport:
     outcome: Outcome
     error: ErrorInfo | None = None
     worker: str | None = None
+    note: str | None = None  # kept with the attempt (e.g. it waited for the queue's circuit breaker)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _ms(seconds: float) -> int:
 def _attempt_params(task_id: str, report: RunReport, attempt_no: int, redrive_no: int,
                     late_result_of: int | None = None) -> dict[str, Any]:
     attempt = Attempt(attempt_no, redrive_no, report.started_at, report.finished_at, report.outcome,
-                      report.error, report.worker, late_result_of)
+                      report.error, report.worker, late_result_of, note=report.note)
     return attempt.params(task_id)
 
 

@@ -127,3 +127,31 @@ def test_nothing_to_probe_with_closes_it_and_a_disabled_breaker_never_trips() ->
     assert b.nothing_to_probe() is not None and b.state == State.CLOSED
     off, _ = breaker(enabled=False)
     assert off.record([RETRY] * 1000) is None and off.state == State.CLOSED
+
+
+def test_a_note_travels_with_its_attempt_and_older_records_without_one_still_read() -> None:
+    """The note is in the DLQ envelope's attempt (only when there is one: older envelopes stay byte-identical)
+    and in the changelog record; a changelog record written before notes existed still restores."""
+    import json
+
+    from bridge.changelog.codec import decode, encode
+    from bridge.model import Attempt
+
+    noted = Attempt(2, 0, 1_800_000_000_000, 1_800_000_001_000, OK, note="waited 4.2s for the queue's circuit breaker")
+    plain = Attempt(1, 0, 1_800_000_000_000, 1_800_000_001_000, RETRY)
+    assert noted.to_json()["note"].startswith("waited 4.2s") and "note" not in plain.to_json()
+    assert Attempt.from_json(noted.to_json()).note == noted.note
+    task = {name: None for name in ("id", "queue", "handler_ref", "handler_version", "payload_content_type",
+                                    "status", "next_attempt_at", "lease_expires_at", "lease_owner",
+                                    "lease_started_at", "finished_at", "fetched_at", "dead_reason_type",
+                                    "dead_reason_message", "dlq_state", "dlq_topic", "dlq_partition", "dlq_offset",
+                                    "home_topic", "home_partition")}
+    task.update(id="t1", queue="q", handler_ref="h", status="PENDING", attempt_count=2, redrive_count=0,
+                lease_token=1, created_at=1, life_started_at=1, headers="{}", payload=b"x")
+    rows = [{**plain.params("t1"), "seq": 1}, {**noted.params("t1"), "seq": 2}]
+    restored = decode(b"t1", encode(task, rows, [], 3))
+    assert [a["note"] for a in restored.attempts] == [None, noted.note]
+    old = json.loads(encode(task, rows, [], 3))
+    for attempt in old["attempts"]:
+        del attempt["note"]
+    assert [a["note"] for a in decode(b"t1", json.dumps(old).encode()).attempts] == [None, None]

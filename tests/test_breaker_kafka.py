@@ -96,6 +96,7 @@ async def test_an_outage_is_held_and_no_record_reaches_the_dlq(kafka: KafkaEnv, 
         await wait_until(lambda: len(downstream.succeeded) == 2000, within=120, what="every record to succeed")
         await await_lag(config, topic, 0, within=60)
         tasks = await bridge.store.list_tasks("q", limit=10_000)
+        histories = [await bridge.store.get(t.id) for t in tasks]
         seen = transitions(bridge)
     spent = collections.Counter(t.attempt_count for t in tasks)
     print(f"tasks {len(tasks)}, attempts per task {dict(sorted(spent.items()))}, transitions {seen}, "
@@ -107,6 +108,10 @@ async def test_an_outage_is_held_and_no_record_reaches_the_dlq(kafka: KafkaEnv, 
     assert downstream.refused_while_down < 600, downstream.refused_while_down
     assert max(lags) > 1000  # consumption stopped: the lag grew while the downstream was down
     assert seen.get("open", 0) >= 1 and seen.get("closed", 0) >= 1
+    # The history says which attempts came after waiting out the outage (a DLQ reader can tell them apart).
+    noted = [h for h in histories if h is not None and h.attempts and h.attempts[-1].note
+             and "circuit breaker" in h.attempts[-1].note]
+    assert len(noted) >= len(tasks) * 9 // 10, (len(noted), len(tasks))
 
 
 async def test_poison_records_in_a_healthy_stream_never_open_it(kafka: KafkaEnv, tmp_path: Path, unique: str,

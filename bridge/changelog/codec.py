@@ -24,9 +24,9 @@ _TASK_FIELDS = (
     "dlq_state", "dlq_topic", "dlq_partition", "dlq_offset", "home_topic", "home_partition",
 )  # fmt: skip
 _ATTEMPT_FIELDS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
-                   "error_message", "error_stack", "worker", "late_result_of")
+                   "error_message", "error_stack", "worker", "late_result_of", "note")
 _REDRIVE_FIELDS = ("redrive_no", "at", "by", "request_id", "key_id")
-_ATTEMPT_KEYS = frozenset(_ATTEMPT_FIELDS)
+_ATTEMPT_KEYS = frozenset(_ATTEMPT_FIELDS) - {"note"}  # records written before notes existed have none
 _REDRIVE_KEYS = frozenset(_REDRIVE_FIELDS)
 _INTS = {"attempt_count", "redrive_count", "lease_token", "created_at", "life_started_at"}
 
@@ -90,6 +90,8 @@ def decode(key: bytes | None, value: bytes) -> Restored:
             if not fields <= entry.keys():
                 raise Unreadable(f"an attempt or redrive lacks {sorted(fields - entry.keys())}")
             entry["task_id"] = task["id"]
+            if fields is _ATTEMPT_KEYS:
+                entry.setdefault("note", None)
         return Restored(task, attempts, redrives, version)
     except Unreadable:
         raise

@@ -13,18 +13,18 @@ ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
 
 -- name: insert_first_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
-                      error_type, error_message, error_stack, worker, late_result_of)
+                      error_type, error_message, error_stack, worker, late_result_of, note)
 SELECT :task_id, 1, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
-       :error_type, :error_message, :error_stack, :worker, :late_result_of
+       :error_type, :error_message, :error_stack, :worker, :late_result_of, :note
  WHERE EXISTS (SELECT 1 FROM tasks WHERE id = :task_id)
    AND NOT EXISTS (SELECT 1 FROM attempts WHERE task_id = :task_id);
 
 -- name: insert_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
-                      error_type, error_message, error_stack, worker, late_result_of)
+                      error_type, error_message, error_stack, worker, late_result_of, note)
 VALUES (:task_id, (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE task_id = :task_id),
         :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
-        :error_type, :error_message, :error_stack, :worker, :late_result_of);
+        :error_type, :error_message, :error_stack, :worker, :late_result_of, :note);
 
 -- name: claim_due
 UPDATE tasks
@@ -321,9 +321,9 @@ VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_
 
 -- name: insert_attempt_copy
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
-                      error_type, error_message, error_stack, worker, late_result_of)
+                      error_type, error_message, error_stack, worker, late_result_of, note)
 VALUES (:task_id, :seq, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
-        :error_type, :error_message, :error_stack, :worker, :late_result_of);
+        :error_type, :error_message, :error_stack, :worker, :late_result_of, :note);
 
 -- ---- the changelog (SPEC §10) ----------------------------------------------------------------------------
 
