@@ -45,6 +45,9 @@ from tests.kafka_helpers import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+# Rows where every record of the queue hangs or leaks test the per-record handling: to a circuit breaker that is an
+# outage (it would hold the records, rightly: the `outage` row shows that), so it is off for them.
+NO_BREAKER: dict[str, Any] = {"breaker": {"enabled": False}}
 
 
 @dataclass
@@ -331,6 +334,67 @@ def crash(bootstrap: str, tmp: Path) -> Row:
                   successes=0)
 
 
+def outage(bootstrap: str, tmp: Path, quick: bool, breaker: bool = True) -> Row:
+    """The downstream (an HTTP app on a real socket) answers 503 for a while as the records arrive, max_attempts 3:
+    the queue's circuit breaker holds them, and after the outage every record succeeds: none in the DLQ. With the
+    breaker off (the comparison row), retries alone spend the attempts during the outage."""
+    from aiohttp import web
+
+    from handlers.examples import append_example_log
+    from localkafka.broker import free_port
+
+    n, down_for = (1000, 6.0) if quick else (2000, 10.0)
+    unique = uuid.uuid4().hex[:8]
+    topic, dlq = names(unique)
+    tmp = own_dir(tmp, unique)
+    log = tmp / f"{unique}-example.log"
+    state = {"down": True, "refused": 0}
+
+    async def pay(request: web.Request) -> web.Response:
+        await request.read()
+        if state["down"]:
+            state["refused"] += 1
+            return web.Response(status=503, text="payments API is down")
+        append_example_log({"handler": "payments", "source": request.headers["rdq.source"]})
+        return web.Response(status=200)
+
+    port = free_port()
+    config = kafka_config(bootstrap, tmp, unique, {"q": {
+        "handler": "payments", "sources": [topic], "dlq_topic": dlq, "max_attempts": 3,
+        "http": {"url": f"http://127.0.0.1:{port}/pay", "timeout": "2s"},
+        "backoff": {"kind": "fixed", "base": "200ms"},
+        "breaker": {"window": "5s", "open_for": "1s", "max_open_for": "4s", "ramp": "2s", "enabled": breaker}}})
+
+    async def run() -> tuple[Accounting, list[int]]:
+        app = web.Application()
+        app.router.add_post("/pay", pay)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with running_bridge(config) as bridge:
+                produce(config, topic, [(f"k{i}".encode(), b"{}", []) for i in range(n)])
+                await asyncio.sleep(down_for)
+                state["down"] = False
+                result = await asyncio.to_thread(settle, lambda: account(config, log, topic, dlq, n), 180)
+                spent = [t.attempt_count for t in await bridge.store.list_tasks("q", limit=n)]
+                return result, spent
+        finally:
+            await runner.cleanup()
+
+    os.environ["RDQ_EXAMPLE_LOG"] = str(log)
+    try:
+        result, spent = asyncio.run(run())
+    finally:
+        del os.environ["RDQ_EXAMPLE_LOG"]
+    histogram = ", ".join(f"{k}: {spent.count(k)}" for k in sorted(set(spent)))
+    note = f"{state['refused']} requests refused while down; tasks by attempts spent {{{histogram}}}"
+    if not breaker:
+        return Row.of("the same outage, circuit breaker off (retries alone, for comparison)", result, note)
+    return Row.of(f"a downstream outage ({down_for:.0f} s of HTTP 503, max_attempts 3; circuit breaker)", result,
+                  note, dlq=0, successes=n)
+
+
 def bad_configs(tmp: Path) -> Row:
     cases = {
         "not YAML": "kafka: [unclosed",
@@ -401,16 +465,19 @@ def main() -> int:
             "broker": lambda: broker_down(tmp, args.quick),
             "full": lambda: store_full(bootstrap, tmp, args.quick),
             "hang": lambda: in_process("a handler that hangs forever (no heartbeat)", bootstrap, tmp, hang,
-                                       {"lease": "1s", "max_attempts": 2, "backoff": {"kind": "fixed", "base": 0}},
-                                       [b"{}"] * 30, dlq=30, successes=0),
+                                       {"lease": "1s", "max_attempts": 2, "backoff": {"kind": "fixed", "base": 0},
+                                        **NO_BREAKER}, [b"{}"] * 30, dlq=30, successes=0),
             "hang-sync": lambda: in_process("a sync handler that blocks forever (threads cannot be cancelled)",
                                             bootstrap, tmp, hang_sync,
                                             {"lease": "1s", "max_attempts": 2, "queue_timeout": "15s",
-                                             "backoff": {"kind": "fixed", "base": 0}}, [b"{}"] * 30,
+                                             "backoff": {"kind": "fixed", "base": 0}, **NO_BREAKER}, [b"{}"] * 30,
                                             dlq=30, successes=0),
             "leak": lambda: in_process("a handler that leaks its lease (heartbeats forever)", bootstrap, tmp, leak,
-                                       {"lease": "2s", "queue_timeout": "4s"}, [b"{}"] * 30, dlq=30, successes=0),
+                                       {"lease": "2s", "queue_timeout": "4s", **NO_BREAKER}, [b"{}"] * 30, dlq=30,
+                                       successes=0),
             "crash": lambda: crash(bootstrap, tmp),
+            "outage": lambda: outage(bootstrap, tmp, args.quick),
+            "outage-no-breaker": lambda: outage(bootstrap, tmp, args.quick, breaker=False),
             "garbage": lambda: in_process("garbage source records (random bytes, binary keys/headers)", bootstrap,
                                           tmp, REGISTRY.get("flaky").fn, {}, garbage,  # type: ignore[union-attr]
                                           dlq=(1, 500)),
