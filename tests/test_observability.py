@@ -196,7 +196,9 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_
             await asyncio.to_thread(broker.stop)
             await wait_until(lambda: ready_is(False), within=30, what="not ready without a broker")
             _, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")
-            assert body == {"ready": False, "broker": False, "store": True, "restoring": []}
+            # The breakers are shown, not part of readiness (an open one is the downstream's outage).
+            assert body == {"ready": False, "broker": False, "store": True, "restoring": [],
+                            "breakers": {"q": "closed"}}
             await asyncio.to_thread(broker.start)
             await wait_until(lambda: ready_is(True), within=60, what="ready again")
     finally:
