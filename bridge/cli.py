@@ -211,7 +211,8 @@ def _add_admin_verbs(sub: Any) -> None:
     target.add_argument("--task", help="a task id")
     target.add_argument("--queue", help="every DEAD task of a queue matching the filters")
     target.add_argument("--from-dlq", help="topic/partition/offset of a DLQ record (works after a purge)")
-    redrive.add_argument("--error-type")
+    redrive.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone "
+                         "(TransientError matches handlers.examples.TransientError)")
     redrive.add_argument("--since", help="dead since (RFC 3339)")
     redrive.add_argument("--until", help="dead until (RFC 3339)")
     redrive.add_argument("--limit", type=int, default=None)

@@ -314,6 +314,19 @@ async def test_counts_and_lists(store: Store) -> None:
     assert await store.dead_ids("q", error_type="rdq.Timeout") == []
 
 
+async def test_redrive_filters_take_an_error_type_with_or_without_its_module(store: Store) -> None:
+    """`rdq redrive --error-type TransientError` finds handlers.examples.TransientError (as the config's `errors`
+    lists accept names); a qualified name matches only itself; a name is a whole class name, not a suffix."""
+    transient = await store.submit(failure(dead=ErrorInfo("handlers.examples.TransientError", "x")))
+    other = await store.submit(failure(dead=ErrorInfo("billing.TransientError", "x")))
+    await store.submit(failure(dead=ErrorInfo("handlers.examples.VeryTransientError", "x")))
+    await store.submit(failure(dead=ErrorInfo("TransientError_x", "x")))
+    assert sorted(await store.dead_ids("q", error_type="TransientError")) == sorted([transient, other])
+    assert await store.dead_ids("q", error_type="handlers.examples.TransientError") == [transient]
+    assert await store.dead_ids("q", error_type="examples.TransientError") == []
+    assert await store.dead_ids("q", error_type="Transient_rror") == []  # no LIKE wildcards
+
+
 async def test_concurrent_submits_are_group_committed(store: Store) -> None:
     ids = await asyncio.gather(*(store.submit(failure()) for _ in range(500)))
     assert len(set(ids)) == 500

@@ -239,7 +239,10 @@ SELECT id FROM tasks
  WHERE queue = :queue AND status = 'DEAD' AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
-   AND (:error_type IS NULL OR dead_reason_type = :error_type)
+   -- The error type as stored (module-qualified, e.g. handlers.examples.TransientError) or by its class name alone,
+   -- as the config's `errors` lists accept it.
+   AND (:error_type IS NULL OR dead_reason_type = :error_type
+        OR (instr(:error_type, '.') = 0 AND substr(dead_reason_type, -length(:error_type) - 1) = '.' || :error_type))
    AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
  ORDER BY finished_at LIMIT :limit;
 
