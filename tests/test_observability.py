@@ -175,6 +175,8 @@ async def test_metrics_after_a_scripted_scenario(kafka: KafkaEnv, tmp_path: Path
     assert m[("rdq_handler_duration_seconds_count", q)] == 12
     assert m[("rdq_open_tasks", (("queue", "q"), ("status", "PENDING")))] == 0
     assert m[("rdq_ready", ())] == 1 and code == 200
+    assert m[("rdq_breaker_state", q)] == 0  # closed: 1 of 12 attempts failed retryably
+    assert not [name for name, _ in m if name.endswith("_created")]  # no `_created` series beside the counters
 
 
 async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_broker: LocalBroker) -> None:
