@@ -35,7 +35,7 @@ from bridge.records import TRACEPARENT, SourceRecord, valid_traceparent
 _PROPAGATOR = TraceContextTextMapPropagator()
 # A `_created` series beside every counter and histogram doubles what `/metrics` carries for nothing Prometheus
 # uses (it reads resets from the values); the bridge is its own process, so the switch is process-wide.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 MAX_ERROR_TYPES = 50  # distinct `error_type` label values per queue; more count as "other"
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _TIME_TO_SUCCESS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
