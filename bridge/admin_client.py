@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from bridge.admin_protocol import encode_command
 from bridge.config import BridgeConfig
@@ -69,7 +70,23 @@ class AdminSession:
         base = {"bootstrap.servers": config.kafka.bootstrap_servers, **config.kafka.client}
         self._producer = Producer({**base, "acks": "all"})
         self._consumer = Consumer({**base, "group.id": f"rdq-cli-{uuid.uuid4().hex}", "enable.auto.commit": False})
+        self._base = base
         self._listening = False
+        self._group_size: int | None = None
+
+    def group_size(self) -> int | None:
+        """How many bridge instances there are: the members of their consumer group (`kafka.group_id`; the admin
+        topic is read by assignment, outside any group). None when the broker cannot say (then only `--timeout`
+        ends a request). Asked once per session."""
+        if self._group_size is None:
+            group = self.config.kafka.group_id
+            admin = AdminClient(self._base)  # held while its future is pending: a collected client never answers
+            try:
+                future = admin.describe_consumer_groups([group], request_timeout=5)[group]
+                self._group_size = len(future.result(timeout=10).members) or None
+            except Exception:  # KafkaException, a timeout: fall back to waiting for the timeout
+                self._group_size = None
+        return self._group_size
 
     def _listen(self) -> None:
         """Assign every reply partition at its end before sending: no reply can be missed."""
@@ -107,6 +124,10 @@ class AdminSession:
         if self._producer.flush(15) != 0:
             raise AdminClientError(f"could not send the command to {self.admin.topic!r}")
         replies = Replies(request_id)
+        if instances is None:
+            # Done as soon as every instance answered; `timeout` stays the bound (an instance not in the group
+            # right now — starting, rebalancing — may still answer within it when the count is unknown).
+            instances = self.group_size()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (instances is None or len(replies.final) < instances):
             for msg in self._consumer.consume(100, 0.2):

@@ -189,6 +189,45 @@ async def test_two_instances_both_answer_stats(kafka: KafkaEnv, tmp_path: Path, 
     assert all(r["ok"] and r["result"]["configured"] == ["q"] for r in replies)
 
 
+async def test_the_cli_returns_once_every_instance_of_the_group_answered(kafka: KafkaEnv, tmp_path: Path,
+                                                                           unique: str) -> None:
+    """Without `--instances`, a request ends when as many instances answered as the bridges' consumer group has
+    members — not at `--timeout` (it waited its whole 5 s before, though both answered in milliseconds)."""
+    registry, _ = switch_registry()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    queues = {"q": {**QUEUE, "sources": [f"in-{unique}"]}}
+    config_a = admin_config(kafka, tmp_path / "a", unique, queues)
+    config_b = admin_config(kafka, tmp_path / "b", unique, queues)
+    async with running_bridge(config_a, registry, instance_id="bridge-a"), \
+            running_bridge(config_b, registry, instance_id="bridge-b"):
+
+        def members() -> int | None:
+            session = AdminSession(config_a, issued_by="sre@test")
+            try:
+                return session.group_size()
+            finally:
+                session.close()
+
+        async def both_in_the_group() -> bool:
+            return await asyncio.to_thread(members) == 2
+
+        await wait_until(both_in_the_group, within=60, what="both bridges in the group")
+
+        def stats() -> tuple[list[dict[str, Any]], float]:
+            session = AdminSession(config_a, issued_by="sre@test")
+            try:
+                began = time.monotonic()
+                final = session.request("stats", {}, timeout=120).final
+                return final, time.monotonic() - began
+            finally:
+                session.close()
+
+        replies, took = await asyncio.to_thread(stats)
+    assert sorted(r["instance"] for r in replies) == ["bridge-a", "bridge-b"]
+    assert took < 60, took  # ended by the answers, not by the 120 s timeout
+
+
 @pytest.mark.parametrize("changelog", [True, False], ids=["changelog", "no-changelog"])
 async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
         kafka: KafkaEnv, tmp_path: Path, unique: str, changelog: bool) -> None:
