@@ -16,6 +16,7 @@ from confluent_kafka.admin import AdminClient
 
 from bridge.admin_protocol import encode_command
 from bridge.config import BridgeConfig
+from bridge.kafka_clients import KAFKA_LOG
 
 
 class AdminClientError(RuntimeError):
@@ -67,7 +68,8 @@ class AdminSession:
         self.admin = config.admin
         self.issued_by = issued_by or default_issuer()
         self.key_id = key_id
-        base = {"bootstrap.servers": config.kafka.bootstrap_servers, **config.kafka.client}
+        base: dict[str, Any] = {"bootstrap.servers": config.kafka.bootstrap_servers, "logger": KAFKA_LOG,
+                                **config.kafka.client}
         self._producer = Producer({**base, "acks": "all"})
         self._consumer = Consumer({**base, "group.id": f"rdq-cli-{uuid.uuid4().hex}", "enable.auto.commit": False})
         self._base = base

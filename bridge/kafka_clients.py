@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import time
 import uuid
@@ -13,9 +14,14 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from bridge.config import BridgeConfig
 
+# librdkafka's own log lines (connection refused, rebalances) go through Python logging, as the bridge's JSON
+# lines do, not raw `%6|…|BGQUEUE|…` text on stderr. They are served when the client is polled (the bridge polls
+# every client it keeps).
+KAFKA_LOG = logging.getLogger("rdq.kafka")
+
 
 def _base(config: BridgeConfig) -> dict[str, Any]:
-    return {"bootstrap.servers": config.kafka.bootstrap_servers, **config.kafka.client}
+    return {"bootstrap.servers": config.kafka.bootstrap_servers, "logger": KAFKA_LOG, **config.kafka.client}
 
 
 def producer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:

@@ -55,3 +55,28 @@ def test_broker_reachable(bridge_config: BridgeConfig, kafka: KafkaEnv) -> None:
     dead = bridge_config.model_copy(update={"kafka": bridge_config.kafka.model_copy(
         update={"bootstrap_servers": "127.0.0.1:1"})})
     assert not broker_reachable(dead, timeout=1.0)
+
+
+def test_librdkafka_logs_go_through_python_logging_not_raw_stderr(capfd: pytest.CaptureFixture[str],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A broker that refuses connections: librdkafka's complaints arrive as `rdq.kafka` log records (the bridge's
+    JSON lines), not as raw `%3|…|FAIL|…` text between them."""
+    import logging
+
+    from bridge.config import parse_config
+
+    config = parse_config({"kafka": {"bootstrap_servers": "127.0.0.1:1"},
+                           "queues": {"q": {"handler": "ok", "sources": ["t"]}}, "engine": {"handler_modules": []}})
+    caplog.set_level(logging.INFO, logger="rdq.kafka")
+    producer = make_producer(config)
+    producer.produce("t", b"x")
+    consumer = make_consumer(config)
+    consumer.subscribe(["t"])
+    for _ in range(10):
+        producer.poll(0.1)
+        consumer.poll(0.1)
+    consumer.close()
+    producer.purge()
+    raw = capfd.readouterr().err
+    assert "|FAIL|" not in raw and "%3|" not in raw, raw[:500]
+    assert any(r.name == "rdq.kafka" and "Connection refused" in r.getMessage() for r in caplog.records)
