@@ -230,12 +230,14 @@ class BridgeProcess:
         self.proc: Any = None
         self.log = path.with_suffix(".log")
         self.starts = 0
+        self._log_from = 0
 
     def start(self) -> BridgeProcess:
         import subprocess
         import sys
 
         self.starts += 1
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0  # this start's lines only
         out = self.log.open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(self.path)],
                                      stdout=out, stderr=subprocess.STDOUT, env=self.env,
@@ -253,9 +255,17 @@ class BridgeProcess:
         if self.proc is not None:
             self.proc.wait()
 
+    def started(self) -> bool:
+        """The bridge logged its start (its signal handlers are installed; a SIGTERM before that ends the process
+        the default way, -15: a test race on a loaded machine, not a graceful stop to assert on)."""
+        return self.log.exists() and b" started: store " in self.log.read_bytes()[self._log_from:]
+
     def terminate(self, timeout: float = 60) -> int:
         import signal
 
+        deadline = time.monotonic() + timeout
+        while self.alive and not self.started() and time.monotonic() < deadline:
+            time.sleep(0.1)
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
         return int(self.proc.wait(timeout)) if self.proc is not None else 0
