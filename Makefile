@@ -39,6 +39,7 @@ bench: kafka
 	$(BIN)/python -m bench.bench_engine all
 	$(BIN)/python -m bench.bench_kafka all
 	$(BIN)/python -m bench.bench_tracing
+	$(BIN)/python -m bench.bench_admin
 
 lint: install
 	$(BIN)/ruff check .
