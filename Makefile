@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= config/bridge.yaml
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: install kafka run test lint faults bench clean
 
@@ -24,7 +25,7 @@ kafka: install
 	$(BIN)/python -m localkafka fetch
 
 run: kafka
-	$(BIN)/python -m localkafka dev --config $(CONFIG)
+	$(BIN)/python -m localkafka dev --config $(CONFIG) $(RUN_ARGS)
 
 test: kafka
 	$(BIN)/pytest $(PYTEST_ARGS)

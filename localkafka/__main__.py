@@ -3,7 +3,8 @@
 - fetch: resolve the broker jars into the cache (a second call reuses it) and print the folder.
 - start: run a broker in the foreground until Ctrl-C / SIGTERM; prints its bootstrap address.
 - dev:   start a broker (unless KAFKA_BOOTSTRAP_SERVERS or RDQ_KAFKA__BOOTSTRAP_SERVERS names one), create the
-         config's topics with `rdq topics`, run `rdq run` in the foreground; Ctrl-C stops the bridge, then the broker.
+         config's topics with `rdq topics`, run `rdq run` in the foreground; Ctrl-C or SIGTERM stops the bridge,
+         then the broker.
 """
 
 from __future__ import annotations
@@ -71,16 +72,25 @@ def _start_dev_broker(args: argparse.Namespace) -> LocalBroker:
 
 
 def _run_bridge(config: str, env: dict[str, str]) -> int:
+    """`rdq topics`, then `rdq run` until it ends. The bridge runs in its own session, so only this launcher
+    receives a terminal's Ctrl-C or a SIGTERM (from `make`, which forwards SIGTERM to its child, or from
+    `kill`), and passes each one on exactly once: the first stops the bridge gracefully, a second forces it.
+    (Had the bridge shared the terminal's process group, one Ctrl-C would reach it twice: once from the
+    terminal, once forwarded — a forced exit.)"""
     rdq = [sys.executable, "-m", "bridge.cli"]
     subprocess.run([*rdq, "topics", "--config", config], env=env, check=True)
-    child = subprocess.Popen([*rdq, "run", "--config", config], env=env)
-    while True:
-        try:
-            return child.wait()
-        except KeyboardInterrupt:
-            # The terminal sent SIGINT to the bridge too (same process group); wait for its graceful stop.
-            # A second Ctrl-C reaches it as well and forces its exit.
-            continue
+    child = subprocess.Popen([*rdq, "run", "--config", config], env=env, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def cmd_dev(args: argparse.Namespace) -> int:

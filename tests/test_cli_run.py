@@ -86,24 +86,36 @@ def test_bad_config_fails_at_start_naming_file_and_field(tmp_path: Path) -> None
     assert not (tmp_path / "rdq.db").exists()
 
 
-def test_make_run_launcher_starts_broker_and_bridge_and_ctrl_c_stops_both(tmp_path: Path, unique: str) -> None:
-    """`make run` is `python -m localkafka dev`: broker + topics + bridge; Ctrl-C (SIGINT to the group) stops all."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigint-to-launcher", "sigterm-to-make"])
+def test_make_run_stops_the_bridge_then_the_broker_on_a_signal(tmp_path: Path, unique: str, how: str) -> None:
+    """`make run` is `python -m localkafka dev`: broker + topics + bridge. Each way a signal arrives stops the
+    bridge gracefully (it logs "stopped"), then the broker: a terminal's Ctrl-C (SIGINT to the whole group), a
+    SIGINT to the launcher's own pid, a SIGTERM to `make`'s own pid (make passes SIGTERM on to its child)."""
     port = free_port()
     config = _config(tmp_path, f"127.0.0.1:{port}", unique)
     env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "RDQ_KAFKA__BOOTSTRAP_SERVERS")}
-    proc = subprocess.Popen([sys.executable, "-m", "localkafka", "dev", "--config", str(config), "--port", str(port),
-                             "--dir", str(tmp_path / "kafka")], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    launch = ["--config", str(config), "--port", str(port), "--dir", str(tmp_path / "kafka")]
+    if how == "sigterm-to-make":
+        command = ["make", "-s", "run", f"CONFIG={config}", f"RUN_ARGS={' '.join(launch[2:])}"]
+    else:
+        command = [sys.executable, "-m", "localkafka", "dev", *launch]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
     assert proc.stderr is not None and proc.stdout is not None
     err, std = Output(proc.stderr), Output(proc.stdout)
     try:
         err.wait_for("started: store", proc, timeout=180)
         broker_pid = _broker_pid(tmp_path / "kafka")
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        assert proc.wait(60) == 0
-        out = std.finish()
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT if how == "sigint-to-launcher" else signal.SIGTERM)
+        # make waits for its child, then ends by the signal it got (as GNU make does); the launcher exits 0.
+        assert proc.wait(60) == (-signal.SIGTERM if how == "sigterm-to-make" else 0), err.finish()
+        out, text = std.finish(), err.finish()
         assert "stopping the local kafka broker" in out
         assert "created:" in out
+        assert "stopped" in text.split("started: store", 1)[1], text  # the bridge's own graceful stop
         deadline = time.monotonic() + 30
         while _alive(broker_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
