@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import yaml
 
 from bridge.config import BridgeConfig, ConfigError, load_config
-from bridge.logs import setup_logging
+from bridge.logs import FORMATS, setup_logging
 from bridge.store import StoreError
 
 
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rdq", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING", help="for `rdq run` the default is INFO")
+    parser.add_argument("--log-format", choices=FORMATS, default=None,
+                        help="json (one object per line) or text (one readable line); default: text on a terminal, "
+                        "json otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the bridge")
     run.add_argument("--config", required=True)
@@ -281,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging("INFO" if args.command == "run" and args.log_level == "WARNING" else args.log_level)
+    setup_logging("INFO" if args.command == "run" and args.log_level == "WARNING" else args.log_level,
+                  args.log_format)
+    logging.getLogger("bridge.cli").debug("rdq %s", args.command)
     try:
         return int(args.fn(args))
     except ConfigError as e:
