@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import zlib
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,15 +27,15 @@ from bridge.admin_protocol import (
     RedriveArgs,
     Refused,
     SetPolicyArgs,
+    StatsArgs,
     reply,
     request_id_of,
     verify,
 )
+from bridge.admin_redrive import RedriveCommands
 from bridge.config import AdminConfig, ConfigError
-from bridge.dlq import SCHEMA
 from bridge.engine import Engine
-from bridge.model import Attempt, Status, Task, parse_rfc3339
-from bridge.records import SOURCE, parse_source, source_key
+from bridge.model import Status, Task, parse_rfc3339
 from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -64,12 +62,10 @@ class AdminCommands:
                  partitions: Callable[[str], int | None] | None = None) -> None:
         self.engine = engine
         self.store = engine.store
-        self.read_record = read_record  # (topic, partition, offset) → value, for redrive from a DLQ record
-        self.owns = owns or (lambda topic, partition: False)  # is this source partition assigned here now?
         self.changelog_status = changelog_status
-        # With the changelog (SPEC §10): how many partitions a topic has now (None: no such topic), to find the
-        # home of a task re-created from its DLQ record. None: tasks are not homed (no changelog).
-        self.partitions = partitions
+        self.stopping = asyncio.Event()  # the bridge is stopping: long commands end early
+        self.redrives = RedriveCommands(engine, read_record, owns or (lambda topic, partition: False), partitions,
+                                        self.stopping)
 
     async def load_settings(self) -> None:
         """Persisted operator settings (pause, set-policy) apply from the start."""
@@ -84,8 +80,9 @@ class AdminCommands:
 
     async def run(self, cmd: Command, progress: Progress) -> dict[str, Any]:
         handlers: dict[str, Callable[[Any, Command, Progress], Awaitable[dict[str, Any]]]] = {
-            "redrive": self.redrive, "get": self.get, "list": self.list, "purge": self.purge, "pause": self.pause,
-            "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats, "breaker": self.breaker,
+            "redrive": self.redrives.redrive, "get": self.get, "list": self.list, "purge": self.purge,
+            "pause": self.pause, "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
+            "breaker": self.breaker,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 
@@ -93,120 +90,6 @@ class AdminCommands:
         if self.engine.config.queue(name) is None:
             raise Refused("InvalidArgs", f"no queue named {name!r} on this instance")
         return name
-
-    async def redrive(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
-        by = cmd.issued_by
-        if args.task_id is not None:
-            return await self._redrive_one(args.task_id, cmd, args.dry_run)
-        if args.dlq is not None:
-            return await self._redrive_from_dlq(args, cmd)
-        assert args.queue is not None
-        ids = await self.store.dead_ids(self._queue(args.queue), args.error_type, parse_rfc3339(args.dead_since),
-                                        parse_rfc3339(args.dead_until), args.limit)
-        if args.dry_run:
-            return {"dry_run": True, "matched": ids, "count": len(ids)}
-        done: list[str] = []
-        for start in range(0, len(ids), _PROGRESS_EVERY):
-            chunk = ids[start : start + _PROGRESS_EVERY]
-            done += await self.engine.redrive_many(chunk, by, cmd.request_id, cmd.key_id)
-            if len(ids) > _PROGRESS_EVERY:
-                await progress({"progress": {"done": start + len(chunk), "total": len(ids)}})
-        return {"dry_run": False, "redriven": done, "count": len(done), "matched": len(ids)}
-
-    async def _redrive_one(self, task_id: str, cmd: Command, dry_run: bool) -> dict[str, Any]:
-        task = await self.store.get(task_id)
-        if task is None:
-            return {"held": False, "redriven": [], "count": 0}
-        if task.status != Status.DEAD:
-            return {"held": True, "redriven": [], "count": 0, "status": task.status.value,
-                    "note": "only a DEAD task can be redriven"}
-        if dry_run:
-            return {"held": True, "dry_run": True, "matched": [task_id], "count": 1}
-        ok = await self.engine.redrive(task_id, cmd.issued_by, cmd.request_id, cmd.key_id)
-        return {"held": True, "redriven": [task_id] if ok else [], "count": int(ok)}
-
-    async def _redrive_from_dlq(self, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
-        """Exactly one instance carries it out; every other one refuses, saying why (never `ok` with nothing done).
-
-        With `args.instance`: that instance (it redrives the task if its store has it, else re-creates it from
-        the envelope). Without: the instance whose store has it, and, when it is nowhere, the one that consumes
-        the task's home partition (`rdq.source`) now. A store holding the task on an instance that no longer owns
-        its partition, while the owner re-creates it, would run it twice: `rdq redrive --from-dlq` avoids that
-        by asking first who holds it, then naming one instance."""
-        assert args.dlq is not None
-        ref = args.dlq
-        me = self.engine.instance_id
-        if args.instance is not None and args.instance != me:
-            raise Refused("NotChosen", f"args.instance names {args.instance!r}; this is {me!r}")
-        value = await asyncio.to_thread(self.read_record, ref.topic, ref.partition, ref.offset)
-        if value is None:
-            raise Refused("NotFound", f"no record at {ref.topic}/{ref.partition}/{ref.offset}")
-        task = self._envelope_task(value)
-        if self.partitions is not None:
-            return await self._redrive_at_home(task, args, cmd)
-        if await self.store.get(task.id) is not None:
-            return {"task_id": task.id, **await self._redrive_one(task.id, cmd, args.dry_run)}
-        if args.instance is None:
-            home = parse_source(task.headers.get(SOURCE))
-            if home is None or not self.owns(home[0], home[1]):
-                where = f"its home partition {home[0]}/{home[1]}" if home else "it has no rdq.source, so no home"
-                raise Refused("NotHeld", f"task {task.id} is not in the store of {me!r}, and {where} is not "
-                                         "consumed here; name an instance (args.instance) to re-create it")
-        if args.dry_run:
-            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
-                    "would_recreate": True}
-        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset)
-        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id)
-        return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
-                "count": int(ok)}
-
-    async def _redrive_at_home(self, task: Task, args: RedriveArgs, cmd: Command) -> dict[str, Any]:
-        """With the changelog, a task lives where its home partition is owned: that instance (exactly one) redrives
-        it, re-creating it from the envelope when its changelog no longer holds it (purged)."""
-        assert args.dlq is not None
-        home = await asyncio.to_thread(self._home_for, task)
-        if home is None:
-            raise Refused("NotHeld", f"task {task.id} has no home: its queue {task.queue!r} has no source topic here")
-        if not self.owns(*home):
-            raise Refused("NotOwner", f"task {task.id} lives in partition {home[0]}/{home[1]}, not owned by "
-                                      f"{self.engine.instance_id!r}; its owner carries it out")
-        if await self.store.get(task.id) is not None:
-            return {"task_id": task.id, "home": f"{home[0]}/{home[1]}",
-                    **await self._redrive_one(task.id, cmd, args.dry_run)}
-        if args.dry_run:
-            return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
-                    "would_recreate": True, "home": f"{home[0]}/{home[1]}"}
-        ref = args.dlq
-        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset, home)
-        ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id)
-        return {"task_id": task.id, "held": False, "recreated": True, "home": f"{home[0]}/{home[1]}",
-                "redriven": [task.id] if ok else [], "count": int(ok)}
-
-    def _home_for(self, task: Task) -> tuple[str, int] | None:
-        """The partition of its `rdq.source`; when that partition no longer exists, the one its key chooses in the
-        queue's first source topic."""
-        assert self.partitions is not None
-        source = task.home
-        if source is not None and source[1] < (self.partitions(source[0]) or 0):
-            return source
-        queue = self.engine.config.queue(task.queue)
-        topic = queue.sources[0] if queue is not None and queue.sources else None
-        count = self.partitions(topic) if topic is not None else None
-        if topic is None or not count:
-            return None
-        key = source_key(task.headers) or task.id.encode()
-        return topic, zlib.crc32(key) % count
-
-    @staticmethod
-    def _envelope_task(value: bytes) -> Task:
-        try:
-            envelope = json.loads(value)
-            if envelope.get("schema") != SCHEMA:
-                raise ValueError(f"schema is {envelope.get('schema')!r}, not {SCHEMA}")
-            attempts = tuple(Attempt.from_json(a) for a in envelope.get("attempts", []))
-            return Task.from_json(envelope["task"], attempts)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise Refused("InvalidArgs", f"not an rdq DLQ envelope: {type(e).__name__}: {e}") from e
 
     async def get(self, args: GetArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         task = await self.store.get(args.task_id)
@@ -264,7 +147,9 @@ class AdminCommands:
             breakers.report(breaker.force_close(by))
         return {"queue": queue, "breaker": breaker.status(), "paused": queue in self.engine.scheduler.paused}
 
-    async def stats(self, args: Any, cmd: Command, progress: Progress) -> dict[str, Any]:
+    async def stats(self, args: StatsArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        if args.redrive is not None:
+            return {"redrive": args.redrive, "outcomes": await self.store.redrive_outcomes(args.redrive)}
         return {"queues": await self.store.counts(), "paused": sorted(self.engine.scheduler.paused),
                 "breakers": self.engine.scheduler.breakers.status(),
                 "running": self.engine.scheduler.running_count(), "configured": self.engine.config.queue_names(),
@@ -286,6 +171,7 @@ class AdminLoop:
         self._producer: Producer | None = None
         self.handled = 0
         self.refused = 0
+        self._background: set[asyncio.Task[None]] = set()  # bulk redrives under way
 
     @property
     def window_ms(self) -> int:
@@ -307,6 +193,11 @@ class AdminLoop:
                         await self.handle(msg.value(), list(msg.headers() or []))
                 await asyncio.to_thread(self._producer.poll, 0)
         finally:
+            # Bulk redrives under way end at their next batch and send their final reply (what was done, and that
+            # the rest stay DEAD) before the producer is flushed.
+            self.commands.stopping.set()
+            if self._background:
+                await asyncio.wait(set(self._background), timeout=10)
             with contextlib.suppress(KafkaException):
                 await asyncio.to_thread(self._producer.flush, 5.0)
             await self._call(consumer.close)
@@ -364,7 +255,8 @@ class AdminLoop:
         return bool(kind == 0 or timestamp >= self._now_ms() - self.window_ms)
 
     async def handle(self, value: bytes | None, headers: list[tuple[str, bytes | None]]) -> None:
-        """One admin record → its replies. Never raises: a bad record is refused, the loop goes on."""
+        """One admin record → its replies. Never raises: a bad record is refused, the loop goes on. A bulk redrive
+        (paced: it may take minutes) runs in the background, so the loop answers other commands meanwhile."""
         request_id = request_id_of(value)
         verified = False
         try:
@@ -373,23 +265,41 @@ class AdminLoop:
             if not await self.commands.store.admin_seen(cmd.request_id, cmd.command, cmd.issued_by, self._now_ms(),
                                                         cmd.key_id):
                 raise Refused("Replayed", f"request_id {cmd.request_id!r} was already received", verified)
-            log.info("admin %s by %s, key %s (%s)", cmd.command, cmd.issued_by, cmd.key_id, cmd.request_id)
+        except Refused as e:
+            await self._refuse(request_id, e, verified)
+            return
+        except StoreError as e:
+            await self._send(request_id, error=Refused("StoreUnavailable", str(e), verified))
+            return
+        log.info("admin %s by %s, key %s (%s)", cmd.command, cmd.issued_by, cmd.key_id, cmd.request_id)
+        if isinstance(cmd.args, RedriveArgs) and RedriveCommands.is_bulk(cmd.args):
+            task = asyncio.create_task(self._execute(cmd, verified), name=f"rdq-admin-{cmd.request_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            await self._execute(cmd, verified)
+
+    async def _execute(self, cmd: Command, verified: bool) -> None:
+        try:
             result = await self.commands.run(cmd, functools.partial(self._send, cmd.request_id, partial=True))
             await self._send(cmd.request_id, result)
             self.handled += 1
         except Refused as e:
-            self.refused += 1
-            e.verified = e.verified or verified
-            log.warning("admin record refused: %s: %s", e.type, e.message)
-            await self._send(request_id, error=e)
+            await self._refuse(cmd.request_id, e, verified)
         except StoreError as e:
-            await self._send(request_id, error=Refused("StoreUnavailable", str(e), verified))
+            await self._send(cmd.request_id, error=Refused("StoreUnavailable", str(e), verified))
         except Exception as e:  # a bug must not stop the admin loop; the operator is told
             log.exception("admin command failed")
-            await self._send(request_id, error=Refused("Internal", f"{type(e).__name__}: {e}", verified))
+            await self._send(cmd.request_id, error=Refused("Internal", f"{type(e).__name__}: {e}", verified))
         if self.handled % 100 == 0:
             with contextlib.suppress(StoreError):
                 await self.commands.store.admin_prune(self._now_ms() - 2 * self.window_ms)
+
+    async def _refuse(self, request_id: str | None, e: Refused, verified: bool) -> None:
+        self.refused += 1
+        e.verified = e.verified or verified
+        log.warning("admin record refused: %s: %s", e.type, e.message)
+        await self._send(request_id, error=e)
 
     async def _send(self, request_id: str | None, result: dict[str, Any] | None = None,
                     error: Refused | None = None, partial: bool = False) -> None:

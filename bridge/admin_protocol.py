@@ -50,22 +50,42 @@ class DlqRef(_Args):
     offset: int = Field(ge=0)
 
 
+# A bulk redrive's pace when the command names none, per instance (SPEC §13; `rdq redrive --rate`): slow enough
+# that a downstream just back from an outage is not stampeded by a whole DLQ at once.
+DEFAULT_REDRIVE_RATE = 100.0
+MAX_REDRIVE_RATE = 100_000.0
+
+
+class Share(_Args):
+    """One instance's part of a bulk redrive: its pace and how many tasks at most."""
+
+    rate: float | None = Field(default=None, gt=0, le=MAX_REDRIVE_RATE)
+    limit: int | None = Field(default=None, ge=0, le=100_000)
+
+
 class RedriveArgs(_Args):
     task_id: str | None = None
+    task_ids: list[str] | None = Field(default=None, min_length=1, max_length=1000)  # e.g. a canary
     queue: str | None = None
     dlq: DlqRef | None = None
     error_type: str | None = None
     dead_since: str | None = None
     dead_until: str | None = None
     limit: int = Field(default=100, ge=1, le=100_000)
+    exclude: list[str] = Field(default_factory=list, max_length=1000)  # with `queue`: e.g. the canary's tasks
     dry_run: bool = False
     instance: str | None = None  # for `dlq`: which instance re-creates a task no store holds
+    # With `queue`: tasks/s on this instance (default DEFAULT_REDRIVE_RATE); `shares` gives each instance its own
+    # rate and limit (an instance it does not name redrives nothing).
+    rate: float | None = Field(default=None, gt=0, le=MAX_REDRIVE_RATE)
+    shares: dict[str, Share] | None = None
+    force: bool = False  # pass the loop guard (the queue's max_redrives)
 
     @model_validator(mode="after")
     def _one_target(self) -> RedriveArgs:
-        targets = [t for t in (self.task_id, self.queue, self.dlq) if t is not None]
+        targets = [t for t in (self.task_id, self.task_ids, self.queue, self.dlq) if t is not None]
         if len(targets) != 1:
-            raise ValueError("give exactly one of task_id, queue, dlq")
+            raise ValueError("give exactly one of task_id, task_ids, queue, dlq")
         for name in ("dead_since", "dead_until"):
             value = getattr(self, name)
             if value is not None:
@@ -111,7 +131,9 @@ class SetPolicyArgs(_Args):
 
 
 class StatsArgs(_Args):
-    pass
+    # A redrive's request id: where the tasks it moved are now (succeeded, failed, waiting, gone) instead of the
+    # counts — how a canary is judged, and `rdq stats --redrive ID` after the fact.
+    redrive: str | None = Field(default=None, min_length=1, max_length=200)
 
 
 class BreakerArgs(_Args):

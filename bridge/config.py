@@ -187,6 +187,9 @@ class QueueConfig(_Model):
     # The handler runs in remote workers (the socket protocol): this bridge stores and leases, never runs it.
     remote: bool = False
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    # The redrive loop guard (SPEC §13): a task already redriven this many times is refused by a redrive unless it
+    # is forced (`rdq redrive --force`): a task that keeps dying is a bug to fix, not a task to retry forever.
+    max_redrives: int = Field(default=5, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,7 +211,7 @@ class QueueConfig(_Model):
 # already queued. Every other setting is read at start: changing it needs a restart.
 POLICY_FIELDS = frozenset({
     "max_attempts", "backoff", "lease", "heartbeat", "errors", "version_mismatch", "queue_timeout",
-    "max_retry_after", "task_ttl", "retain_from", "concurrency", "max_open_tasks",
+    "max_retry_after", "task_ttl", "retain_from", "concurrency", "max_open_tasks", "max_redrives",
 })
 
 

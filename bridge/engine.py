@@ -55,33 +55,21 @@ class Engine:
         self.dead_event.set()
 
     async def redrive(self, task_id: str, by: str | None = None, request_id: str | None = None,
-                      key_id: str | None = None) -> bool:
-        """DEAD → PENDING, due now (SPEC §7.3). False when the task is missing or not DEAD."""
-        ok = await self.store.redrive(task_id, self.clock.now_ms(), by, request_id, key_id)
-        if ok:
-            task = await self.store.get(task_id)
-            if task is not None:
-                self._redriven(task, by)
-                self.scheduler.wake(task.queue)
-        return ok
-
-    def _redriven(self, task: Task, by: str | None) -> None:
-        self.telemetry.metrics.redrives.labels(task.queue).inc()
-        self.telemetry.redrive_span(task.id, task.queue, task.headers, by)
+                      key_id: str | None = None, max_redrives: int | None = None) -> bool:
+        """DEAD → PENDING, due now (SPEC §7.3). False when the task is missing, not DEAD, or (with
+        `max_redrives`) redriven that many times already."""
+        return bool(await self.redrive_many([task_id], by, request_id, key_id, max_redrives))
 
     async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None,
-                           key_id: str | None = None) -> list[str]:
-        """Redrive each DEAD task of `ids`; returns those redriven."""
-        now = self.clock.now_ms()
-        done = [i for i in ids if await self.store.redrive(i, now, by, request_id, key_id)]
-        for task_id in done:
-            task = await self.store.get(task_id)
-            if task is not None:
-                self._redriven(task, by)
-        if done:
-            for queue in self.config.queue_names():
-                self.scheduler.wake(queue)
-        return done
+                           key_id: str | None = None, max_redrives: int | None = None) -> list[str]:
+        """Redrive each DEAD task of `ids` (one store transaction); returns those redriven."""
+        done = await self.store.redrive_many(ids, self.clock.now_ms(), by, request_id, key_id, max_redrives)
+        for task in done:
+            self.telemetry.metrics.redrives.labels(task.queue).inc()
+            self.telemetry.redrive_span(task.id, task.queue, task.headers, by)
+        for queue in {task.queue for task in done}:
+            self.scheduler.wake(queue)
+        return [task.id for task in done]
 
     async def redrive_queue(self, queue: str, error_type: str | None = None, since: int | None = None,
                             until: int | None = None, limit: int = 1000, dry_run: bool = False,

@@ -56,6 +56,15 @@ class RunReport:
     note: str | None = None  # kept with the attempt (e.g. it waited for the queue's circuit breaker)
 
 
+@dataclass(frozen=True)
+class Redriven:
+    """A task a redrive moved back to PENDING."""
+
+    id: str
+    queue: str
+    headers: dict[str, str]
+
+
 @dataclass
 class _Op:
     fn: Callable[[sqlite3.Connection], Any]
@@ -498,19 +507,46 @@ class Store:
     # ---- operator actions ------------------------------------------------------------------------------
 
     async def redrive(self, task_id: str, now: int, by: str | None = None, request_id: str | None = None,
-                      key_id: str | None = None) -> bool:
+                      key_id: str | None = None, max_redrives: int | None = None) -> bool:
         """DEAD → PENDING due now, attempt_count 0, redrive_count + 1, history kept, audited (SPEC §7.3): who
-        said they did it (`by`, self-asserted) and which verified key signed the command (`key_id`)."""
+        said they did it (`by`, self-asserted) and which verified key signed the command (`key_id`). With
+        `max_redrives`, a task redriven that many times already stays DEAD (the loop guard)."""
+        return bool(await self.redrive_many([task_id], now, by, request_id, key_id, max_redrives))
 
-        def apply(conn: sqlite3.Connection) -> bool:
-            got = conn.execute(q("redrive"), {"id": task_id, "now": now, "scoped": self.scoped}).fetchone()
-            if got is None:
-                return False
-            conn.execute(q("insert_redrive"), {"task_id": task_id, "redrive_no": got[0], "at": now, "by": by,
-                                               "request_id": request_id, "key_id": key_id})
-            return True
+    async def redrive_many(self, ids: list[str], now: int, by: str | None = None, request_id: str | None = None,
+                           key_id: str | None = None, max_redrives: int | None = None) -> list[Redriven]:
+        """`redrive` of each task of `ids` in one transaction (one commit for a batch of a bulk redrive); returns
+        those redriven, with what their redrive span needs."""
+
+        def apply(conn: sqlite3.Connection) -> list[Redriven]:
+            done = []
+            for task_id in ids:
+                got = conn.execute(q("redrive"), {"id": task_id, "now": now, "scoped": self.scoped,
+                                                  "max_redrives": max_redrives}).fetchone()
+                if got is None:
+                    continue
+                conn.execute(q("insert_redrive"), {"task_id": task_id, "redrive_no": got[0], "at": now, "by": by,
+                                                   "request_id": request_id, "key_id": key_id})
+                done.append(Redriven(task_id, got[1], json.loads(got[2])))
+            return done
 
         return await self._submit(apply)
+
+    async def redrive_outcomes(self, request_id: str) -> dict[str, int]:
+        """Where the tasks a redrive request moved are now: succeeded, failed (DEAD again, or an attempt since the
+        redrive failed), waiting (not run yet or running its first attempt), gone (purged)."""
+        rows = await self._scan(lambda c: c.execute(q("redrive_outcomes"), {"request_id": request_id}).fetchall())
+        out = {"succeeded": 0, "failed": 0, "waiting": 0, "gone": 0}
+        for status, tried, n in rows:
+            if status is None:
+                out["gone"] += n
+            elif status == Status.SUCCEEDED.value:
+                out["succeeded"] += n
+            elif status == Status.DEAD.value or tried:
+                out["failed"] += n
+            else:
+                out["waiting"] += n
+        return out
 
     async def mark_fetched(self, task_id: str, now: int) -> bool:
         params = {"id": task_id, "now": now}
@@ -682,10 +718,16 @@ class Store:
 
     async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
                        until: int | None = None, limit: int = 1000) -> list[str]:
+        return [task_id for task_id, _ in await self.dead_candidates(queue, error_type, since, until, limit)]
+
+    async def dead_candidates(self, queue: str, error_type: str | None = None, since: int | None = None,
+                              until: int | None = None, limit: int = 1000,
+                              exclude: Iterable[str] = ()) -> list[tuple[str, int]]:
+        """(id, redrive_count) of a queue's DEAD tasks matching the filters, oldest death first."""
         params = {"queue": queue, "error_type": error_type, "since": since, "until": until, "limit": limit,
-                  "scoped": self.scoped}
+                  "scoped": self.scoped, "exclude": json.dumps(list(exclude))}
         rows = await self._scan(lambda c: c.execute(q("dead_tasks_filtered"), params).fetchall())
-        return [r[0] for r in rows]
+        return [(r[0], r[1]) for r in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
         rows = await self._scan(lambda c: c.execute(q("count_by_queue_status")).fetchall())

@@ -596,33 +596,3 @@ async def test_rdq_store_reads_a_store_file_without_kafka(tmp_path: Path) -> Non
     assert dead.id in out["list"] and "rdq.Unroutable" in out["list"]
     assert f"task {dead.id}" in out["get"] and "RETRYABLE_FAILURE" not in out["get"]
     assert "PERMANENT_FAILURE" in out["get"]
-
-
-async def test_long_redrives_report_progress(tmp_path: Path) -> None:
-    from bridge.admin import AdminCommands
-    from bridge.admin_protocol import Command, RedriveArgs
-    from bridge.engine import Engine
-    from bridge.live_config import LiveConfig
-    from bridge.model import ErrorInfo
-    from bridge.store import Store
-    from tests.helpers import engine_config, failure
-
-    config = engine_config(str(tmp_path / "rdq.db"))
-    store = await Store.open(config.store.path)
-    engine = Engine(store, LiveConfig(config), Registry(), instance_id="p")
-    try:
-        await asyncio.gather(*(store.submit(failure(dead=ErrorInfo("rdq.Unroutable", "x"))) for _ in range(1200)))
-        progress: list[dict[str, Any]] = []
-
-        async def report(update: dict[str, Any]) -> None:
-            progress.append(update["progress"])
-
-        cmd = Command("r-1", "redrive", RedriveArgs(queue="q", limit=5000), 0, "sre")
-        result = await AdminCommands(engine, lambda t, p, o: None).run(cmd, report)
-        assert result["count"] == 1200 and result["matched"] == 1200
-        assert progress == [{"done": 500, "total": 1200}, {"done": 1000, "total": 1200},
-                            {"done": 1200, "total": 1200}]
-        assert (await store.counts())["q"]["PENDING"] == 1200
-    finally:
-        engine.close()
-        await store.close()

@@ -172,7 +172,9 @@ UPDATE tasks
  WHERE id = :id AND status = 'DEAD' AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
-RETURNING redrive_count;
+   -- The loop guard (SPEC §13): a task redriven max_redrives times already stays DEAD unless forced (NULL).
+   AND (:max_redrives IS NULL OR redrive_count < :max_redrives)
+RETURNING redrive_count, queue, headers;
 
 -- name: insert_redrive
 INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
@@ -235,7 +237,7 @@ SELECT * FROM tasks
  ORDER BY id LIMIT :limit;
 
 -- name: dead_tasks_filtered
-SELECT id FROM tasks
+SELECT id, redrive_count FROM tasks
  WHERE queue = :queue AND status = 'DEAD' AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
@@ -244,7 +246,16 @@ SELECT id FROM tasks
    AND (:error_type IS NULL OR dead_reason_type = :error_type
         OR (instr(:error_type, '.') = 0 AND substr(dead_reason_type, -length(:error_type) - 1) = '.' || :error_type))
    AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
+   AND id NOT IN (SELECT value FROM json_each(:exclude))
  ORDER BY finished_at LIMIT :limit;
+
+-- name: redrive_outcomes
+-- Where the tasks of one redrive request are now. `tried`: an attempt ran since the redrive (attempt_count is reset
+-- to 0 by it); a purged task has no row (status NULL).
+SELECT t.status AS status, COALESCE(t.attempt_count > 0, 0) AS tried, COUNT(*) AS n
+  FROM redrives r LEFT JOIN tasks t ON t.id = r.task_id
+ WHERE r.request_id = :request_id
+ GROUP BY 1, 2;
 
 -- name: count_by_queue_status
 SELECT queue, status, COUNT(*) AS n FROM tasks GROUP BY queue, status;
