@@ -19,8 +19,10 @@ from typing import Any
 
 import yaml
 
+from bridge.admin_protocol import MAX_REDRIVE_RATE
 from bridge.config import BridgeConfig, ConfigError, load_config
 from bridge.logs import FORMATS, setup_logging
+from bridge.redrive_cli import DEFAULT_RATE
 from bridge.store import StoreError
 
 
@@ -69,9 +71,7 @@ def _policy_from(args: argparse.Namespace) -> dict[str, Any] | None:
 def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
     verb = args.command
     if verb == "redrive":
-        picked = {"task_id": args.task, "queue": args.queue, "error_type": args.error_type,
-                  "dead_since": args.since, "dead_until": args.until, "limit": args.limit,
-                  "dry_run": args.dry_run or None}
+        picked = {"task_id": args.task, "dry_run": args.dry_run or None, "force": args.force or None}
         return {k: v for k, v in picked.items() if v is not None}
     if verb == "get":
         return {"task_id": args.task_id}
@@ -82,6 +82,8 @@ def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
         return {k: v for k, v in picked.items() if v is not None}
     if verb in ("pause", "resume"):
         return {"queue": args.queue}
+    if verb == "stats":
+        return {"redrive": args.redrive} if args.redrive else {}
     if verb == "breaker":
         return {"queue": args.queue, "action": args.action}
     if verb == "set-policy":
@@ -102,6 +104,10 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     session = AdminSession(config, args.issued_by, args.key_id)
     try:
+        if args.command == "redrive" and args.queue:
+            from bridge.redrive_cli import BulkRedrive
+
+            return BulkRedrive(session, args).run()
         if args.command == "redrive" and args.from_dlq:
             replies = _redrive_from_dlq(session, config, args)
         else:
@@ -123,7 +129,8 @@ def _redrive_from_dlq(session: Any, config: BridgeConfig, args: argparse.Namespa
     carry it out: the holder, else `--instance`, else the owner of the task's home partition. Returns that
     instance's answer (the others refuse by design: `NotChosen`)."""
     topic, partition, offset = _dlq_ref(args.from_dlq)
-    base = {"dlq": {"topic": topic, "partition": partition, "offset": offset}}
+    base = {"dlq": {"topic": topic, "partition": partition, "offset": offset},
+            **({"force": True} if args.force else {})}
     probe: list[dict[str, Any]] = session.request("redrive", {**base, "dry_run": True}, args.timeout,
                                                   args.instances).final
     if args.dry_run or not probe:
@@ -139,6 +146,13 @@ def _redrive_from_dlq(session: Any, config: BridgeConfig, args: argparse.Namespa
     replies: list[dict[str, Any]] = session.request("redrive", {**base, "instance": target}, args.timeout,
                                                     args.instances).final
     return [r for r in replies if r.get("instance") == target]
+
+
+def _rate(text: str) -> float:
+    rate = float(text)
+    if not 0 < rate <= MAX_REDRIVE_RATE:
+        raise argparse.ArgumentTypeError(f"a rate is > 0 and <= {MAX_REDRIVE_RATE:g} tasks/s, not {text}")
+    return rate
 
 
 def _dlq_ref(text: str) -> tuple[str, int, int]:
@@ -216,8 +230,20 @@ def _add_admin_verbs(sub: Any) -> None:
                          "(TransientError matches handlers.examples.TransientError)")
     redrive.add_argument("--since", help="dead since (RFC 3339)")
     redrive.add_argument("--until", help="dead until (RFC 3339)")
-    redrive.add_argument("--limit", type=int, default=None)
-    redrive.add_argument("--dry-run", action="store_true")
+    redrive.add_argument("--limit", type=int, default=None, help="with --queue: at most this many per instance "
+                         "(default: all matched, up to 100,000 per instance)")
+    redrive.add_argument("--dry-run", action="store_true", help="say what would be redriven and refused; change "
+                         "nothing")
+    redrive.add_argument("--rate", type=_rate, default=DEFAULT_RATE, help="with --queue: tasks/s for the whole "
+                         f"group, shared by the instances in proportion to their tasks (default {DEFAULT_RATE:g})")
+    redrive.add_argument("--canary", type=int, default=0, metavar="N", help="with --queue: redrive N tasks first, wait "
+                         "for their outcome, go on only if their success ratio reaches --canary-min")
+    redrive.add_argument("--canary-min", type=float, default=0.9, help="the canary's success ratio to go on (0-1, "
+                         "default 0.9); below it the rest stay DEAD (on a terminal you are asked)")
+    redrive.add_argument("--canary-wait", type=float, default=60.0, help="seconds to wait for the canary's "
+                         "outcome (default 60); undecided tasks count as not succeeded")
+    redrive.add_argument("--force", action="store_true", help="pass the loop guard: redrive tasks already redriven "
+                         "max_redrives times (a queue setting, default 5)")
     redrive.add_argument("--instance", help="with --from-dlq: which instance re-creates a purged task")
     get = _admin_parser(sub, "get", "a task with its whole attempt history")
     get.add_argument("task_id")
@@ -238,7 +264,8 @@ def _add_admin_verbs(sub: Any) -> None:
     policy.add_argument("--set", action="append", metavar="KEY=VALUE", help="e.g. max_attempts=8, backoff.base=2s")
     policy.add_argument("--policy-json", help='e.g. {"max_attempts": 8}')
     policy.add_argument("--clear", action="store_true", help="back to the config file's policy")
-    _admin_parser(sub, "stats", "counts by queue and status, from every instance")
+    stats = _admin_parser(sub, "stats", "counts by queue and status, from every instance")
+    stats.add_argument("--redrive", metavar="REQUEST_ID", help="instead: where the tasks of that redrive are now")
     breaker = _admin_parser(sub, "breaker", "a queue's circuit breaker: hold it open (an outage), close it, or ask")
     breaker.add_argument("action", choices=["open", "close", "status"])
     breaker.add_argument("queue")

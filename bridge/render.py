@@ -36,6 +36,10 @@ def render(command: str, replies: list[dict[str, Any]]) -> str:
 
 
 def _stats(replies: list[dict[str, Any]]) -> str:
+    if any("outcomes" in r["result"] for r in replies):  # `rdq stats --redrive ID`
+        keys = ("succeeded", "failed", "waiting", "gone")
+        return table(["INSTANCE", *(k.upper() for k in keys)],
+                     [[r["instance"], *(r["result"]["outcomes"].get(k, 0) for k in keys)] for r in replies])
     rows = []
     for r in replies:
         result = r["result"]
