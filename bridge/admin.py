@@ -17,6 +17,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
+from bridge.admin_import import ImportCommands, ReadRange
 from bridge.admin_protocol import (
     BreakerArgs,
     Command,
@@ -59,13 +60,15 @@ class AdminCommands:
     def __init__(self, engine: Engine, read_record: Callable[[str, int, int], bytes | None],
                  owns: Callable[[str, int], bool] | None = None,
                  changelog_status: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 partitions: Callable[[str], int | None] | None = None) -> None:
+                 partitions: Callable[[str], int | None] | None = None, read_range: ReadRange | None = None) -> None:
         self.engine = engine
         self.store = engine.store
         self.changelog_status = changelog_status
         self.stopping = asyncio.Event()  # the bridge is stopping: long commands end early
         self.redrives = RedriveCommands(engine, read_record, owns or (lambda topic, partition: False), partitions,
                                         self.stopping)
+        self.imports = ImportCommands(engine, read_range or (lambda topic, partition, start, end: []),
+                                      self.redrives)
 
     async def load_settings(self) -> None:
         """Persisted operator settings (pause, set-policy) apply from the start."""
@@ -82,7 +85,7 @@ class AdminCommands:
         handlers: dict[str, Callable[[Any, Command, Progress], Awaitable[dict[str, Any]]]] = {
             "redrive": self.redrives.redrive, "get": self.get, "list": self.list, "purge": self.purge,
             "pause": self.pause, "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
-            "breaker": self.breaker,
+            "breaker": self.breaker, "import": self.imports.run,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 

@@ -24,7 +24,7 @@ from bridge.model import Status, parse_rfc3339
 
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"
-COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker")
+COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker", "import")
 
 
 class Refused(Exception):
@@ -142,9 +142,31 @@ class BreakerArgs(_Args):
     action: Literal["open", "close", "status"]
 
 
+IMPORT_RANGE_MAX = 5000  # records of a foreign DLQ one `import` command reads (the CLI sends ranges in turn)
+
+
+class ImportArgs(_Args):
+    """Records [from_offset, to_offset) of one partition of another system's DLQ topic → DEAD tasks of `queue`."""
+
+    topic: str = Field(min_length=1)
+    partition: int = Field(ge=0)
+    from_offset: int = Field(ge=0)
+    to_offset: int = Field(ge=1)
+    queue: str = Field(min_length=1)
+    dry_run: bool = False
+    instance: str | None = None  # without a changelog: the one instance that imports
+
+    @model_validator(mode="after")
+    def _range(self) -> ImportArgs:
+        if not 0 < self.to_offset - self.from_offset <= IMPORT_RANGE_MAX:
+            raise ValueError(f"to_offset - from_offset must be 1..{IMPORT_RANGE_MAX}")
+        return self
+
+
 ARGS: dict[str, type[_Args]] = {
     "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
     "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs, "breaker": BreakerArgs,
+    "import": ImportArgs,
 }  # fmt: skip
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge.admin_protocol import DEFAULT_REDRIVE_RATE, Command, RedriveArgs, Refused
-from bridge.dlq import SCHEMA
 from bridge.engine import Engine
-from bridge.model import Attempt, Status, Task, parse_rfc3339
+from bridge.foreign_dlq import NotImportable, decode_envelope
+from bridge.model import Status, Task, parse_rfc3339
 from bridge.records import SOURCE, parse_source, source_key
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
@@ -247,10 +246,6 @@ class RedriveCommands:
 
 def envelope_task(value: bytes) -> Task:
     try:
-        envelope = json.loads(value)
-        if envelope.get("schema") != SCHEMA:
-            raise ValueError(f"schema is {envelope.get('schema')!r}, not {SCHEMA}")
-        attempts = tuple(Attempt.from_json(a) for a in envelope.get("attempts", []))
-        return Task.from_json(envelope["task"], attempts)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise Refused("InvalidArgs", f"not an rdq DLQ envelope: {type(e).__name__}: {e}") from e
+        return decode_envelope(value)
+    except NotImportable as e:
+        raise Refused("InvalidArgs", str(e)) from e

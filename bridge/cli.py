@@ -4,6 +4,8 @@
     rdq topics | check-config --config F    create missing topics / validate a config
     rdq redrive | get | list | purge | pause | resume | set-policy | stats | breaker --config F …
                                             signed commands on the admin topic; every instance answers
+    rdq import --config F --topic T --queue Q    another system's DLQ → DEAD tasks, ready to redrive
+    rdq dlq tail --config F --topic T       a DLQ topic, for people (or --json); --follow
     rdq store stats | list | get --db PATH  read a store file directly, for when Kafka is down
 """
 
@@ -163,6 +165,29 @@ def _dlq_ref(text: str) -> tuple[str, int, int]:
         raise ConfigError(f"--from-dlq wants topic/partition/offset, not {text!r}") from e
 
 
+# ---- rdq import, rdq dlq tail ----------------------------------------------------------------------------
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from bridge.admin_client import AdminSession
+    from bridge.import_cli import Import
+
+    config = load_config(args.config)
+    if args.queue not in config.queues:
+        raise ConfigError(f"no queue named {args.queue!r} in {args.config}")
+    session = AdminSession(config, args.issued_by, args.key_id)
+    try:
+        return Import(session, config, args).run()
+    finally:
+        session.close()
+
+
+def _cmd_dlq(args: argparse.Namespace) -> int:
+    from bridge.dlq_tail import tail
+
+    return tail(load_config(args.config), args)
+
+
 # ---- rdq store ----------------------------------------------------------------------------------------------
 
 
@@ -271,6 +296,28 @@ def _add_admin_verbs(sub: Any) -> None:
     breaker.add_argument("queue")
 
 
+def _add_dlq_verbs(sub: Any) -> None:
+    imp = _admin_parser(sub, "import", "another system's dead-letter topic → DEAD tasks of a queue (Spring Kafka, "
+                        "Kafka Connect, share groups, rdq)")
+    imp.set_defaults(fn=_cmd_import)
+    imp.add_argument("--topic", required=True, help="the dead-letter topic to read (every partition, all records)")
+    imp.add_argument("--queue", required=True, help="the queue whose handler the tasks will run when redriven")
+    imp.add_argument("--dry-run", action="store_true", help="say what would be imported and refused")
+    imp.add_argument("--rate", type=_rate, default=1000.0, help="records/s (default 1000)")
+    imp.add_argument("--instance", help="without a changelog: the instance that keeps the tasks (default: the "
+                     "first by name)")
+    dlq = sub.add_parser("dlq", help="read a dead-letter topic")
+    dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
+    tail = dlq_sub.add_parser("tail", help="each record for a person: task, queue, reason, attempts, source, trace")
+    tail.add_argument("--config", required=True, help="the bridge config (its kafka section)")
+    tail.add_argument("--topic", required=True)
+    tail.add_argument("--json", action="store_true", help="one JSON object per record and line")
+    tail.add_argument("--follow", "-f", action="store_true", help="keep reading new records until Ctrl-C")
+    tail.add_argument("--last", type=int, default=None, metavar="N", help="start N records before each "
+                      "partition's end (default: from the beginning)")
+    dlq.set_defaults(fn=_cmd_dlq)
+
+
 def _add_store_verbs(sub: Any) -> None:
     store = sub.add_parser("store", help="read a store file directly (read-only; Kafka not needed)")
     store_sub = store.add_subparsers(dest="store_command", required=True)
@@ -306,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", required=True)
     check.set_defaults(fn=_cmd_check)
     _add_admin_verbs(sub)
+    _add_dlq_verbs(sub)
     _add_store_verbs(sub)
     return parser
 

@@ -188,3 +188,38 @@ def read_record(config: BridgeConfig, topic: str, partition: int, offset: int, t
         return None
     finally:
         consumer.close()
+
+
+def read_range(config: BridgeConfig, topic: str, partition: int, start: int, end: int,
+               timeout: float = 30.0) -> list[Any]:
+    """The records of one partition with offsets in [start, end) that still exist (compaction and retention may
+    have removed some), as confluent-kafka messages. Raises KafkaException when the range cannot be read in time."""
+    consumer = Consumer({**_base(config), "group.id": f"rdq-reader-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                         "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 64 * 1024 * 1024})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout)
+        start, end = max(start, low), min(end, high)
+        if start >= end:
+            return []
+        consumer.assign([TopicPartition(topic, partition, start)])
+        records: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.5):
+                error = msg.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise KafkaException(error)
+                offset = msg.offset() or 0
+                if offset < end:
+                    records.append(msg)
+                if offset >= end - 1:
+                    return records
+            position = consumer.position([TopicPartition(topic, partition)])[0].offset or 0
+            if position >= end:  # the last offsets were gaps (transaction markers, compacted away)
+                return records
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{topic}/{partition}: [{start}, {end}) not read "
+                                                               f"within {timeout:.0f}s"))
+    finally:
+        consumer.close()

@@ -38,6 +38,7 @@ from bridge.kafka_clients import (
     make_producer,
     make_restore_consumer,
     partition_count,
+    read_range,
     read_record,
 )
 from bridge.live_config import LiveConfig
@@ -108,7 +109,8 @@ class Bridge:
             changelog = self.changelog is not None
             commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns,
                                      self.consumer.changelog_status if changelog else None,
-                                     (lambda topic: partition_count(config, topic)) if changelog else None)
+                                     (lambda topic: partition_count(config, topic)) if changelog else None,
+                                     lambda t, p, start, end: read_range(config, t, p, start, end))
             self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
                                    lambda: make_admin_consumer(config, self.run_id),
                                    lambda: make_producer(config), self.engine.clock.now_ms)

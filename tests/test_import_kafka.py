@@ -1,0 +1,128 @@
+"""`rdq import` and `rdq dlq tail` on a real broker (SPEC §13): records written by a real producer in each foreign
+format become DEAD tasks with their history; an import run twice makes no second task; an imported task redrives
+and runs its handler; the tail prints every record, readable or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.config import BridgeConfig
+from bridge.foreign_dlq import IMPORTED_FORMAT
+from bridge.model import Status
+from bridge.records import SOURCE
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import aread_dlq, produce, running_bridge, wait_until
+from tests.test_admin import QUEUE, ROOT, admin_config, dead_task, switch_registry, write
+from tests.test_foreign_dlq import CONNECT_HEADERS, SHARE_HEADERS, spring_headers
+
+pytestmark = pytest.mark.kafka
+
+
+async def cli(config: BridgeConfig, tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "bridge.cli", *args[:1], *(["tail"] if args[0] == "dlq" else []),
+        "--config", str(write(config, tmp_path)), *args[1:]], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def legacy_records(unique: str) -> list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]:
+    return [
+        (b"acct-1", b'{"n": 1}', spring_headers(partition=0, offset=11)),
+        (b"acct-2", b'{"n": 2}', CONNECT_HEADERS),
+        (b"acct-3", b'{"n": 3}', SHARE_HEADERS),
+        (b"acct-4", b"garbage that no system wrote as a dead letter", [("x-app", b"1")]),
+    ]
+
+
+async def test_import_every_format_once_then_redrive_an_imported_task(kafka: KafkaEnv, tmp_path: Path,
+                                                                      unique: str) -> None:
+    registry, switch = switch_registry()
+    legacy = f"legacy-dlq-{unique}"
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                          "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config, registry) as bridge:
+        # One of this project's own envelopes too: a task of this bridge, dead-lettered, then purged.
+        [own_id] = await dead_task(bridge, config, f"in-{unique}")
+        [own] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+        await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
+        await bridge.store.purge_task(own_id)
+        _create(config, legacy)
+        produce(config, legacy, [*legacy_records(unique), (None, json.dumps(own.value).encode(), [])])
+
+        code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--dry-run",
+                                   "--json")
+        assert code == 0, err
+        dry = json.loads(out)
+        assert dry["imported"] == 4 and dry["refused"] == 1 and await bridge.store.counts() == {}
+
+        code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
+        assert code == 0, err
+        first = json.loads(out)
+        assert first["records"] == 5 and first["imported"] == 4 and first["unclaimed"] == 0
+        assert first["formats"] == {"spring-kafka": 1, "kafka-connect": 1, "share-group": 1, "rdq": 1}
+        [refusal] = first["refusals"]
+        assert refusal["offset"] == 3 and "unknown format" in refusal["reason"]
+
+        tasks = {t.headers.get(IMPORTED_FORMAT): t for t in await bridge.store.list_tasks("q", Status.DEAD)}
+        assert set(tasks) == {"spring-kafka", "kafka-connect", "share-group", "rdq"}
+        spring = await bridge.store.get(tasks["spring-kafka"].id)
+        assert spring is not None and spring.headers[SOURCE] == "kafka://orders/0/11"
+        assert spring.attempts[0].error is not None and "Billing.java" in (spring.attempts[0].error.stack or "")
+        assert tasks["rdq"].id == own_id  # our envelope keeps its id
+
+        code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
+        again = json.loads(out)
+        assert code == 0 and again["imported"] == 0 and again["exists"] == 4, (out, err)
+        assert (await bridge.store.counts())["q"]["DEAD"] == 4
+
+        switch.fixed = True
+        code, out, err = await cli(config, tmp_path, "redrive", "--task", spring.id, "--json")
+        assert code == 0, err
+
+        async def ran() -> bool:
+            task = await bridge.store.get(spring.id)
+            return task is not None and task.status == Status.SUCCEEDED
+
+        await wait_until(ran, what="the imported task to run after its redrive")
+        assert any(call[0] == spring.id for call in switch.calls)
+
+
+async def test_dlq_tail_prints_every_record_for_people_and_for_scripts(kafka: KafkaEnv, tmp_path: Path,
+                                                                      unique: str) -> None:
+    registry, _ = switch_registry()
+    legacy = f"legacy-dlq-{unique}"
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                          "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config, registry) as bridge:
+        [task_id] = await dead_task(bridge, config, f"in-{unique}")
+        await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+    _create(config, legacy)
+    produce(config, legacy, legacy_records(unique))
+
+    code, out, err = await cli(config, tmp_path, "dlq", "--topic", f"dlq-{unique}")
+    assert code == 0, err
+    assert f"task {task_id}  queue q  (rdq)" in out
+    assert "attempt 1" in out and "attempt 2" in out and "ConnectionError: downstream is down" in out
+    assert f"trace {'ab' * 16}" in out and f"source kafka://in-{unique}/" in out
+
+    code, out, err = await cli(config, tmp_path, "dlq", "--topic", legacy, "--json")
+    assert code == 0, err
+    entries: list[dict[str, Any]] = [json.loads(line) for line in out.splitlines()]
+    assert [e.get("format") for e in entries] == ["spring-kafka", "kafka-connect", "share-group", None]
+    assert "unknown format" in entries[3]["unreadable"]
+    assert entries[0]["source"] == "kafka://orders/0/11" and entries[0]["attempts"][0]["outcome"]
+
+
+def _create(config: BridgeConfig, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": config.kafka.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)]).values():
+        future.result(30)
