@@ -9,7 +9,7 @@ CONFIG ?= config/bridge.yaml
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install kafka run test lint faults bench clean
+.PHONY: install kafka run demo test lint faults bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed")'
@@ -26,6 +26,11 @@ kafka: install
 
 run: kafka
 	$(BIN)/python -m localkafka dev --config $(CONFIG) $(RUN_ARGS)
+
+# The first ten minutes: a local broker and bridge, records that succeed, retry and dead-letter, then the SRE's
+# commands (stats, get, dlq tail, set-policy, redrive). Uses KAFKA_BOOTSTRAP_SERVERS' broker when it names one.
+demo: kafka
+	$(BIN)/python -m bridge.cli demo
 
 test: kafka
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -1,6 +1,7 @@
 """The `rdq` command line (SPEC §7.6).
 
     rdq run --config F                      the bridge
+    rdq demo                                a local broker and bridge; watch records fail, retry, dead-letter, redrive
     rdq topics | check-config --config F    create missing topics / validate a config
     rdq redrive | get | list | purge | pause | resume | set-policy | stats | breaker --config F …
                                             signed commands on the admin topic; every instance answers
@@ -182,6 +183,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
         session.close()
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from bridge.demo import main as demo
+
+    return demo(args.timeout)
+
+
 def _cmd_dlq(args: argparse.Namespace) -> int:
     from bridge.dlq_tail import tail
 
@@ -352,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("--config", required=True)
     check.set_defaults(fn=_cmd_check)
+    demo = sub.add_parser("demo", help="a local broker and bridge, records sent, what happens shown; then the "
+                          "SRE's commands")
+    demo.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds")
+    demo.set_defaults(fn=_cmd_demo)
     _add_admin_verbs(sub)
     _add_dlq_verbs(sub)
     _add_store_verbs(sub)

@@ -30,7 +30,8 @@ def render(command: str, replies: list[dict[str, Any]]) -> str:
     ok = sorted((r for r in replies if r.get("ok")), key=lambda r: str(r.get("instance")))
     if not replies:
         return "no instance answered within the timeout"
-    renderer = {"stats": _stats, "list": _list, "get": _get, "redrive": _redrive}.get(command, _generic)
+    renderer = {"stats": _stats, "list": _list, "get": _get, "redrive": _redrive,
+                "set-policy": _set_policy}.get(command, _generic)
     parts = [renderer(ok)] if ok else []
     return "\n".join([*parts, *errors(replies)])
 
@@ -117,6 +118,14 @@ def _redrive(replies: list[dict[str, Any]]) -> str:
                      result.get("count", 0), len(matched) if isinstance(matched, list) else matched,
                      short(result.get("note"), 70)])
     return table(["INSTANCE", "ACTION", "COUNT", "MATCHED", "NOTE"], rows)
+
+
+def _set_policy(replies: list[dict[str, Any]]) -> str:
+    import json
+
+    return table(["INSTANCE", "QUEUE", "POLICY NOW"],
+                 [[r["instance"], r["result"].get("queue"), short(json.dumps(r["result"].get("policy")), 100)]
+                  for r in replies])
 
 
 def _generic(replies: list[dict[str, Any]]) -> str:
