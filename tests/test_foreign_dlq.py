@@ -35,7 +35,8 @@ def spring_headers(partition: int = 2, offset: int = 41, ts: int = 1_700_000_000
             ("kafka_dlt-original-consumer-group", b"billing"),
             ("kafka_dlt-exception-fqcn", b"org.springframework.kafka.listener.ListenerExecutionFailedException"),
             ("kafka_dlt-exception-message", b"Listener failed; amount < 0"),
-            ("kafka_dlt-exception-stacktrace", b"org.springframework...\n\tat com.acme.Billing.charge(Billing.java:42)")]
+            ("kafka_dlt-exception-stacktrace",
+             b"org.springframework...\n\tat com.acme.Billing.charge(Billing.java:42)")]
 
 
 CONNECT_HEADERS = [("__connect.errors.topic", b"orders"), ("__connect.errors.partition", b"1"),
