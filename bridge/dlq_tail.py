@@ -33,12 +33,18 @@ def describe(record: DlqRecord) -> dict[str, Any]:
         return {**where, "unreadable": str(e)}
     if kind == RDQ:  # the envelope's own queue and headers, as published
         task = decode_envelope(record.value or b"")
-    traceparent = task.headers.get(TRACEPARENT)
+    # The record's own trace: a foreign record without one would otherwise show the trace made up for its task.
+    traceparent = task.headers.get(TRACEPARENT) if kind == RDQ else _header(record, TRACEPARENT)
     return {**where, "format": kind, "task_id": task.id, "queue": task.queue if kind == RDQ else None,
             "reason": task.dead_reason.to_json() if task.dead_reason else None, "source": task.source,
             "trace_id": trace_id(traceparent) if traceparent and valid_traceparent(traceparent) else None,
             "redrive_count": task.redrive_count, "dead_at": rfc3339(task.finished_at),
             "attempts": [_attempt(a) for a in task.attempts]}
+
+
+def _header(record: DlqRecord, name: str) -> str | None:
+    value = next((v for k, v in record.headers if k == name and v is not None), None)
+    return value.decode("utf-8", "replace") if value is not None else None
 
 
 def _attempt(attempt: Any) -> dict[str, Any]:
@@ -77,22 +83,37 @@ def tail(config: BridgeConfig, args: argparse.Namespace, out: TextIO = sys.stdou
         open_partitions = set()
         for p in sorted(metadata.partitions):
             low, high = consumer.get_watermark_offsets(TopicPartition(args.topic, p), timeout=15)
-            start = max(low, high - args.last) if args.last is not None else OFFSET_BEGINNING
+            # --last N: twice N back, then the last N records found before the end: with transactions (the DLQ
+            # is written in one with the changelog) offsets hold commit markers as well as records.
+            start = max(low, high - 2 * args.last) if args.last is not None else OFFSET_BEGINNING
             starts.append(TopicPartition(args.topic, p, start))
             if high > low:
                 open_partitions.add(p)
         consumer.assign(starts)
+        held: dict[int, list[str]] = {p: [] for p in open_partitions} if args.last is not None else {}
         shown = 0
+
+        def show(text: str) -> None:
+            nonlocal shown
+            print(text, file=out, flush=True)
+            shown += 1
+
         while (args.follow or open_partitions) and not stop():
             for msg in consumer.consume(100, 0.5):
-                error = msg.error()
+                error, partition = msg.error(), msg.partition() or 0
                 if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        open_partitions.discard(msg.partition())
+                    if error.code() == KafkaError._PARTITION_EOF and partition in open_partitions:
+                        open_partitions.discard(partition)
+                        kept = held.pop(partition, [])
+                        for text in kept[-args.last:] if args.last else []:
+                            show(text)
                     continue
                 entry = describe(DlqRecord.from_message(msg))
-                print(json.dumps(entry) if args.json else for_people(entry), file=out, flush=True)
-                shown += 1
+                text = json.dumps(entry) if args.json else for_people(entry)
+                if partition in held:
+                    held[partition].append(text)
+                else:
+                    show(text)
         if not args.json and not shown:
             print(f"{args.topic}: no records", file=out)
         return 0
