@@ -139,3 +139,20 @@ async def test_a_bulk_redrive_ends_early_when_the_bridge_stops(rig: tuple[AdminC
 
 async def _noop(update: dict[str, Any]) -> None:
     return None
+
+
+def test_the_progress_line_shows_each_instance_the_rate_and_an_eta() -> None:
+    import io
+
+    from bridge.redrive_cli import Progress, pick_canary, shares_for
+
+    out = io.StringIO()
+    progress = Progress(out, began=time.monotonic() - 10, totals={"a": 3000, "b": 1000})
+    progress({"instance": "a", "result": {"progress": {"done": 600, "total": 3000}}})
+    progress({"instance": "b", "result": {"progress": {"done": 400, "total": 1000}}})
+    line = out.getvalue().split("\r")[-1]
+    assert line.startswith("redrive: 1000/4000 (25%) · 100/s · ETA 30s · a 600/3000 · b 400/1000")
+    # The group's rate is shared in proportion to the tasks each instance holds; a canary takes from each in turn.
+    assert shares_for({"a": 3000, "b": 1000, "c": 0}, 400) == {"a": {"rate": 300.0, "limit": 3000},
+                                                              "b": {"rate": 100.0, "limit": 1000}}
+    assert pick_canary({"a": ["a1", "a2", "a3"], "b": ["b1"]}, 3) == ["a1", "b1", "a2"]
