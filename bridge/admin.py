@@ -104,7 +104,7 @@ class AdminCommands:
                          "redrives": await self.store.redrives(task.id)}}
 
     async def list(self, args: ListArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
-        tasks = await self.store.list_tasks(args.queue, args.status, args.limit)
+        tasks = await self.store.list_tasks(args.queue, args.status, args.limit, args.error_type)
         return {"tasks": [task_summary(t) for t in tasks]}
 
     async def purge(self, args: PurgeArgs, cmd: Command, progress: Progress) -> dict[str, Any]:

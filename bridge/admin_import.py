@@ -18,7 +18,7 @@ from bridge.admin_protocol import Command, ImportArgs, Refused
 from bridge.admin_redrive import RedriveCommands
 from bridge.engine import Engine
 from bridge.foreign_dlq import DlqRecord, NotImportable, to_task
-from bridge.model import Task
+from bridge.model import Task, error_type_matches
 
 # (topic, partition, start, end) → the records in [start, end), as confluent-kafka messages
 ReadRange = Callable[[str, int, int, int], list[Any]]
@@ -44,7 +44,7 @@ class ImportCommands:
         messages = await asyncio.to_thread(self.read_range, args.topic, args.partition, args.from_offset,
                                            args.to_offset)
         out: dict[str, Any] = {"dry_run": args.dry_run, "read": len(messages), "imported": 0, "exists": 0,
-                               "elsewhere": 0, "formats": {}, "refused": [], "tasks": []}
+                               "elsewhere": 0, "filtered": 0, "formats": {}, "refused": [], "tasks": []}
         for msg in messages:
             await self._one(DlqRecord.from_message(msg), args, queue.handler, homed, out)
         out["tasks"] = out["tasks"][:_LISTED]
@@ -56,6 +56,10 @@ class ImportCommands:
             kind, task = to_task(record, args.queue, handler)
         except NotImportable as e:
             out["refused"].append({"offset": record.offset, "reason": str(e)})
+            return
+        if args.error_type is not None and not error_type_matches(
+                task.dead_reason.type if task.dead_reason else None, args.error_type):
+            out["filtered"] += 1
             return
         home = await asyncio.to_thread(self._home_for, task) if homed else None
         if homed and (home is None or not self.redrives.owns(*home)):

@@ -103,6 +103,7 @@ class GetArgs(_Args):
 class ListArgs(_Args):
     queue: str | None = None
     status: Status | None = None
+    error_type: str | None = Field(default=None, min_length=1, max_length=300)  # the dead reason's, as redrive's
     limit: int = Field(default=50, ge=1, le=1000)
 
 
@@ -153,6 +154,7 @@ class ImportArgs(_Args):
     from_offset: int = Field(ge=0)
     to_offset: int = Field(ge=1)
     queue: str = Field(min_length=1)
+    error_type: str | None = Field(default=None, min_length=1, max_length=300)  # only records failed with it
     dry_run: bool = False
     instance: str | None = None  # without a changelog: the one instance that imports
 

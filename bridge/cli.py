@@ -79,7 +79,8 @@ def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
     if verb == "get":
         return {"task_id": args.task_id}
     if verb == "list":
-        return {k: v for k, v in {"queue": args.queue, "status": args.status, "limit": args.limit}.items() if v}
+        picked = {"queue": args.queue, "status": args.status, "limit": args.limit, "error_type": args.error_type}
+        return {k: v for k, v in picked.items() if v}
     if verb == "purge":
         picked = {"task_id": args.task, "queue": args.queue, "status": args.status, "before": args.before}
         return {k: v for k, v in picked.items() if v is not None}
@@ -218,7 +219,7 @@ def _cmd_store(args: argparse.Namespace) -> int:
             data: Any = {"queues": counts}
             text = table(["QUEUE", *STATUSES], [[q, *(c.get(s, 0) for s in STATUSES)] for q, c in counts.items()])
         elif args.store_command == "list":
-            tasks = [task_summary(t) for t in reader.list(args.queue, args.status, args.limit)]
+            tasks = [task_summary(t) for t in reader.list(args.queue, args.status, args.limit, args.error_type)]
             data = {"tasks": tasks}
             text = table(["ID", "QUEUE", "STATUS", "ATT", "REDR", "ERROR", "SOURCE"],
                          [[t["id"], t["queue"], t["status"], t["attempt_count"], t["redrive_count"],
@@ -283,6 +284,7 @@ def _add_admin_verbs(sub: Any) -> None:
     listing.add_argument("--queue")
     listing.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
     listing.add_argument("--limit", type=int, default=None)
+    listing.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone")
     purge = _admin_parser(sub, "purge", "delete finished tasks (never a DEAD one not yet in the DLQ)")
     target = purge.add_mutually_exclusive_group(required=True)
     target.add_argument("--task")
@@ -310,6 +312,8 @@ def _add_dlq_verbs(sub: Any) -> None:
     imp.add_argument("--topic", required=True, help="the dead-letter topic to read (every partition, all records)")
     imp.add_argument("--queue", required=True, help="the queue whose handler the tasks will run when redriven")
     imp.add_argument("--dry-run", action="store_true", help="say what would be imported and refused")
+    imp.add_argument("--error-type", help="only records that failed with this exception type (fully qualified, "
+                     "or the class name alone)")
     imp.add_argument("--rate", type=_rate, default=1000.0, help="records/s (default 1000)")
     imp.add_argument("--instance", help="without a changelog: the instance that keeps the tasks (default: the "
                      "first by name)")
@@ -337,6 +341,7 @@ def _add_store_verbs(sub: Any) -> None:
             p.add_argument("--queue")
             p.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
             p.add_argument("--limit", type=int, default=100)
+            p.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone")
         if name == "get":
             p.add_argument("task_id")
     store.set_defaults(fn=_cmd_store)

@@ -48,7 +48,7 @@ class Import:
         self.out = out
         self.err = err
         self.totals: dict[str, Any] = {"records": 0, "imported": 0, "exists": 0, "refused": 0, "unclaimed": 0,
-                                       "formats": {}}
+                                       "filtered": 0, "formats": {}}
         self.refusals: list[dict[str, Any]] = []
         self.problems: list[str] = []
 
@@ -91,6 +91,7 @@ class Import:
     def _range(self, partition: int, start: int, end: int, instance: str | None) -> None:
         payload = {"topic": self.args.topic, "partition": partition, "from_offset": start, "to_offset": end,
                    "queue": self.args.queue, "dry_run": self.args.dry_run,
+                   **({"error_type": self.args.error_type} if self.args.error_type else {}),
                    **({"instance": instance} if instance else {})}
         replies = self._ask("import", payload)
         answered = [r for r in replies if r.get("ok")]
@@ -105,11 +106,13 @@ class Import:
         refused = {x["offset"]: x["reason"] for r in answered for x in r["result"]["refused"]}
         imported = sum(int(r["result"]["imported"]) for r in answered)
         exists = sum(int(r["result"]["exists"]) for r in answered)
+        filtered = max(int(r["result"].get("filtered", 0)) for r in answered)  # every reader filters the same
         self.totals["records"] += read
         self.totals["imported"] += imported
         self.totals["exists"] += exists
         self.totals["refused"] += len(refused)
-        self.totals["unclaimed"] += max(0, read - imported - exists - len(refused))
+        self.totals["filtered"] += filtered
+        self.totals["unclaimed"] += max(0, read - imported - exists - len(refused) - filtered)
         for r in answered:
             for kind, n in r["result"]["formats"].items():
                 self.totals["formats"][kind] = self.totals["formats"].get(kind, 0) + n
@@ -125,7 +128,8 @@ class Import:
             formats = ", ".join(f"{k} {v}" for k, v in sorted(t["formats"].items())) or "none"
             lines = [f"{self.args.topic} → queue {self.args.queue}: {t['records']} records read in {t['seconds']}s",
                      f"{verb}: {t['imported']} ({formats}) · already there: {t['exists']} · refused: {t['refused']}"
-                     f" · taken by no instance: {t['unclaimed']}"]
+                     f" · taken by no instance: {t['unclaimed']}"
+                     + (f" · other error types: {t['filtered']}" if self.args.error_type else "")]
             lines += [f"  refused {r['partition']}/{r['offset']}: {r['reason']}" for r in self.refusals[:50]]
             if len(self.refusals) > 50:
                 lines.append(f"  … and {len(self.refusals) - 50} more (--json lists them all)")

@@ -55,6 +55,14 @@ def home_of(headers: dict[str, str]) -> tuple[str, int] | None:
     return parts[0], int(parts[1])
 
 
+def error_type_matches(stored: str | None, wanted: str) -> bool:
+    """An error-type filter: the type as stored (`handlers.examples.TransientError`) or, for a name without a
+    module, the class name alone (`TransientError`) — as the config's `errors` lists take it."""
+    if stored is None:
+        return False
+    return stored == wanted or ("." not in wanted and stored.endswith("." + wanted))
+
+
 def home_params(home: tuple[str, int] | None) -> dict[str, Any]:
     return {"home_topic": home[0] if home else None, "home_partition": home[1] if home else None}
 

@@ -711,8 +711,10 @@ class Store:
         rows = await self._read(lambda c: c.execute(q("get_redrives"), {"id": task_id}).fetchall())
         return [dict(r) for r in rows]
 
-    async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100) -> list[Task]:
-        params = {"queue": queue, "status": status.value if status else None, "limit": limit}
+    async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100,
+                         error_type: str | None = None) -> list[Task]:
+        params = {"queue": queue, "status": status.value if status else None, "limit": limit,
+                  "error_type": error_type}
         rows = await self._scan(lambda c: c.execute(q("list_tasks"), params).fetchall())
         return [Task.from_row(r) for r in rows]
 

@@ -36,8 +36,9 @@ class StoreReader:
     def redrives(self, task_id: str) -> list[dict[str, Any]]:
         return [dict(r) for r in self.conn.execute(q("get_redrives"), {"id": task_id})]
 
-    def list(self, queue: str | None, status: str | None, limit: int) -> list[Task]:
-        rows = self.conn.execute(q("list_tasks"), {"queue": queue, "status": status, "limit": limit})
+    def list(self, queue: str | None, status: str | None, limit: int, error_type: str | None = None) -> list[Task]:
+        rows = self.conn.execute(q("list_tasks"), {"queue": queue, "status": status, "limit": limit,
+                                                   "error_type": error_type})
         return [Task.from_row(r) for r in rows]
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """`rdq import` and `rdq dlq tail` on a real broker (SPEC §13): records written by a real producer in each foreign
 format become DEAD tasks with their history; an import run twice makes no second task; an imported task redrives
-and runs its handler; the tail prints every record, readable or not."""
+and runs its handler; the tail prints every record, readable or not. (One test: one bridge, one setup.)"""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def legacy_records(unique: str) -> list[tuple[bytes | None, bytes, list[tuple[st
     ]
 
 
-async def test_import_every_format_once_then_redrive_an_imported_task(kafka: KafkaEnv, tmp_path: Path,
-                                                                      unique: str) -> None:
+async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dlqs(kafka: KafkaEnv, tmp_path: Path,
+                                                                                   unique: str) -> None:
     registry, switch = switch_registry()
     legacy = f"legacy-dlq-{unique}"
     config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
@@ -61,6 +61,11 @@ async def test_import_every_format_once_then_redrive_an_imported_task(kafka: Kaf
         assert code == 0, err
         dry = json.loads(out)
         assert dry["imported"] == 4 and dry["refused"] == 1 and await bridge.store.counts() == {}
+        code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--dry-run",
+                                   "--error-type", "DataException", "--json")  # by class name alone
+        only = json.loads(out)
+        assert code == 0 and only["imported"] == 1 and only["formats"] == {"kafka-connect": 1}, out + err
+        assert only["filtered"] == 3 and only["unclaimed"] == 0
 
         code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
         assert code == 0, err
@@ -93,34 +98,21 @@ async def test_import_every_format_once_then_redrive_an_imported_task(kafka: Kaf
         await wait_until(ran, what="the imported task to run after its redrive")
         assert any(call[0] == spring.id for call in switch.calls)
 
-
-async def test_dlq_tail_prints_every_record_for_people_and_for_scripts(kafka: KafkaEnv, tmp_path: Path,
-                                                                      unique: str) -> None:
-    registry, _ = switch_registry()
-    legacy = f"legacy-dlq-{unique}"
-    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
-                                                          "dlq_topic": f"dlq-{unique}"}})
-    async with running_bridge(config, registry) as bridge:
-        [task_id] = await dead_task(bridge, config, f"in-{unique}")
-        await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
-    _create(config, legacy)
-    produce(config, legacy, legacy_records(unique))
-
+    # rdq dlq tail, for people: our own DLQ record with its attempts, source and trace.
     code, out, err = await cli(config, tmp_path, "dlq", "--topic", f"dlq-{unique}")
     assert code == 0, err
-    assert f"task {task_id}  queue q  (rdq)" in out
+    assert f"task {own_id}  queue q  (rdq)" in out
     assert "attempt 1" in out and "attempt 2" in out and "ConnectionError: downstream is down" in out
     assert f"trace {'ab' * 16}" in out and f"source kafka://in-{unique}/" in out
-
     # --last N on a DLQ written in Kafka transactions: the last offsets are commit markers, not records.
     code, out, err = await cli(config, tmp_path, "dlq", "--topic", f"dlq-{unique}", "--last", "1")
-    assert code == 0 and f"task {task_id}" in out, out + err
-
+    assert code == 0 and f"task {own_id}" in out, out + err
+    # For scripts, every record of the foreign topic, readable or not.
     code, out, err = await cli(config, tmp_path, "dlq", "--topic", legacy, "--json")
     assert code == 0, err
     entries: list[dict[str, Any]] = [json.loads(line) for line in out.splitlines()]
-    assert [e.get("format") for e in entries] == ["spring-kafka", "kafka-connect", "share-group", None]
-    assert "unknown format" in entries[3]["unreadable"]
+    assert [e.get("format") for e in entries] == ["spring-kafka", "kafka-connect", "share-group", None, "rdq"]
+    assert "unknown format" in entries[3]["unreadable"] and entries[4]["task_id"] == own_id
     assert entries[0]["source"] == "kafka://orders/0/11" and entries[0]["attempts"][0]["outcome"]
     assert entries[0]["trace_id"] is None  # the record carries none: no trace is made up for it
 

@@ -289,6 +289,7 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
     from confluent_kafka.admin import AdminClient, NewTopic
 
     from bridge.admin import AdminCommands
+    from bridge.admin_protocol import StatsArgs
     from bridge.model import ErrorInfo
     from bridge.store import Store
     from tests.helpers import failure
@@ -323,7 +324,7 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
             row = await bridge.store._read(lambda c, i=task_id: c.execute(
                 "SELECT dlq_error, dlq_next_at FROM tasks WHERE id = ?", (i,)).fetchone())
             assert why in row[0] and row[1] > bridge.engine.clock.now_ms(), row[0]  # waits for its own retry
-        stats = await AdminCommands(bridge.engine, lambda t, p, o: None).stats(None, None, None)  # type: ignore[arg-type]
+        stats = await AdminCommands(bridge.engine, lambda t, p, o: None).stats(StatsArgs(), None, None)  # type: ignore[arg-type]
         assert stats["dlq_stuck"] == {"q": {"entries": 2, "most_failures": 1}}
         metrics = bridge.telemetry.metrics.registry
         await wait_until(lambda: metrics.get_sample_value("rdq_dlq_stuck", {"queue": "q"}) == 2, within=10,

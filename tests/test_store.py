@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bridge.model import ErrorInfo, Outcome, Status
+from bridge.model import ErrorInfo, Outcome, Status, error_type_matches
 from bridge.queries import migrations
 from bridge.store import Store, StoreError
 from tests.helpers import T0, failure, report
@@ -325,6 +325,15 @@ async def test_redrive_filters_take_an_error_type_with_or_without_its_module(sto
     assert await store.dead_ids("q", error_type="handlers.examples.TransientError") == [transient]
     assert await store.dead_ids("q", error_type="examples.TransientError") == []
     assert await store.dead_ids("q", error_type="Transient_rror") == []  # no LIKE wildcards
+    # `rdq list --error-type` and `rdq import --error-type` match the same way.
+    assert sorted(t.id for t in await store.list_tasks("q", error_type="TransientError")) == sorted([transient, other])
+    assert [t.id for t in await store.list_tasks(error_type="handlers.examples.TransientError")] == [transient]
+    assert await store.list_tasks(error_type="examples.TransientError") == []
+    for stored in ("handlers.examples.TransientError", "billing.TransientError"):
+        assert error_type_matches(stored, "TransientError")
+    assert not error_type_matches("handlers.examples.VeryTransientError", "TransientError")
+    assert not error_type_matches("handlers.examples.TransientError", "examples.TransientError")
+    assert not error_type_matches(None, "TransientError")
 
 
 async def test_concurrent_submits_are_group_committed(store: Store) -> None:

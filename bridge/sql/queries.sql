@@ -234,6 +234,9 @@ SELECT * FROM redrives WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDE
 -- name: list_tasks
 SELECT * FROM tasks
  WHERE (:queue IS NULL OR queue = :queue) AND (:status IS NULL OR status = :status)
+   -- The dead reason's type, module-qualified or by class name alone (as in dead_tasks_filtered).
+   AND (:error_type IS NULL OR dead_reason_type = :error_type
+        OR (instr(:error_type, '.') = 0 AND substr(dead_reason_type, -length(:error_type) - 1) = '.' || :error_type))
  ORDER BY id LIMIT :limit;
 
 -- name: dead_tasks_filtered
