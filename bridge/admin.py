@@ -28,6 +28,7 @@ from bridge.admin_protocol import (
     RedriveArgs,
     Refused,
     SetPolicyArgs,
+    SkipArgs,
     StatsArgs,
     reply,
     request_id_of,
@@ -85,7 +86,7 @@ class AdminCommands:
         handlers: dict[str, Callable[[Any, Command, Progress], Awaitable[dict[str, Any]]]] = {
             "redrive": self.redrives.redrive, "get": self.get, "list": self.list, "purge": self.purge,
             "pause": self.pause, "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
-            "breaker": self.breaker, "import": self.imports.run,
+            "breaker": self.breaker, "import": self.imports.run, "skip": self.skip,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 
@@ -100,8 +101,30 @@ class AdminCommands:
             return {"task": None}
         if task.status.terminal:
             await self.store.mark_fetched(task.id, self.engine.clock.now_ms())  # retain_from: fetched
+        ordering = {}
+        if task.order_key is not None:  # what it waits behind, what waits behind it (SPEC §12)
+            ordering = {"waits_behind": await self.store.order_head(task) if task.status == Status.PARKED else None,
+                        "parked_behind": await self.store.parked_behind(task.order_key)}
         return {"task": {**task.to_json(), "attempts": [a.to_json() for a in task.attempts],
-                         "redrives": await self.store.redrives(task.id)}}
+                         "redrives": await self.store.redrives(task.id), **ordering}}
+
+    async def skip(self, args: SkipArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        """Let a held key go (SPEC §12): its dead head stays DEAD (redrive it later if you like); the key's next
+        parked record becomes due. Audited with every admin command (who said, which key signed)."""
+        task = await self.store.get(args.task_id)
+        if task is None:
+            return {"task_id": args.task_id, "held": False, "skipped": False}
+        key = await self.store.skip(task.id)
+        if key is None:
+            why = ("its queue has no ordering: key" if task.order_key is None else
+                   f"it is {task.status.value}, not a dead task holding its key" if task.status != Status.DEAD else
+                   "it does not hold its key (on_dead: release, or skipped already)")
+            return {"task_id": task.id, "held": True, "skipped": False, "note": f"cannot skip: {why}"}
+        log.info("skip: task %s no longer holds its key (by %s, key %s)", task.id, cmd.issued_by, cmd.key_id,
+                 extra={"task_id": task.id, "queue": task.queue})
+        self.engine.scheduler.wake(task.queue)
+        return {"task_id": task.id, "held": True, "skipped": True, "key": key,
+                "parked_behind": await self.store.parked_behind(key)}
 
     async def list(self, args: ListArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         tasks = await self.store.list_tasks(args.queue, args.status, args.limit, args.error_type)

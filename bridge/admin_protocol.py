@@ -24,7 +24,8 @@ from bridge.model import Status, parse_rfc3339
 
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"
-COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker", "import")
+COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker", "import",
+            "skip")
 
 
 class Refused(Exception):
@@ -100,6 +101,12 @@ class GetArgs(_Args):
     task_id: str = Field(min_length=1)
 
 
+class SkipArgs(_Args):
+    """A dead head that holds its key (ordering: key, on_dead: hold): let the key's next record run."""
+
+    task_id: str = Field(min_length=1)
+
+
 class ListArgs(_Args):
     queue: str | None = None
     status: Status | None = None
@@ -168,7 +175,7 @@ class ImportArgs(_Args):
 ARGS: dict[str, type[_Args]] = {
     "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
     "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs, "breaker": BreakerArgs,
-    "import": ImportArgs,
+    "import": ImportArgs, "skip": SkipArgs,
 }  # fmt: skip
 
 

@@ -3,7 +3,7 @@
     rdq run --config F                      the bridge
     rdq demo                                a local broker and bridge; watch records fail, retry, dead-letter, redrive
     rdq topics | check-config --config F    create missing topics / validate a config
-    rdq redrive | get | list | purge | pause | resume | set-policy | stats | breaker --config F …
+    rdq redrive | get | list | purge | pause | resume | set-policy | stats | breaker | skip --config F …
                                             signed commands on the admin topic; every instance answers
     rdq import --config F --topic T --queue Q    another system's DLQ → DEAD tasks, ready to redrive
     rdq dlq tail --config F --topic T       a DLQ topic, for people (or --json); --follow
@@ -76,7 +76,7 @@ def _admin_args(args: argparse.Namespace) -> dict[str, Any]:
     if verb == "redrive":
         picked = {"task_id": args.task, "dry_run": args.dry_run or None, "force": args.force or None}
         return {k: v for k, v in picked.items() if v is not None}
-    if verb == "get":
+    if verb in ("get", "skip"):
         return {"task_id": args.task_id}
     if verb == "list":
         picked = {"queue": args.queue, "status": args.status, "limit": args.limit, "error_type": args.error_type}
@@ -280,9 +280,12 @@ def _add_admin_verbs(sub: Any) -> None:
     redrive.add_argument("--instance", help="with --from-dlq: which instance re-creates a purged task")
     get = _admin_parser(sub, "get", "a task with its whole attempt history")
     get.add_argument("task_id")
+    skip = _admin_parser(sub, "skip", "ordering: key — a dead task holding its key (on_dead: hold) lets the "
+                         "key's next record run")
+    skip.add_argument("task_id")
     listing = _admin_parser(sub, "list", "tasks of a queue and status")
     listing.add_argument("--queue")
-    listing.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
+    listing.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "PARKED", "SUCCEEDED", "DEAD"])
     listing.add_argument("--limit", type=int, default=None)
     listing.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone")
     purge = _admin_parser(sub, "purge", "delete finished tasks (never a DEAD one not yet in the DLQ)")
@@ -339,7 +342,7 @@ def _add_store_verbs(sub: Any) -> None:
         p.add_argument("--json", action="store_true")
         if name == "list":
             p.add_argument("--queue")
-            p.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD"])
+            p.add_argument("--status", choices=["PENDING", "IN_FLIGHT", "PARKED", "SUCCEEDED", "DEAD"])
             p.add_argument("--limit", type=int, default=100)
             p.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone")
         if name == "get":

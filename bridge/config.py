@@ -190,6 +190,11 @@ class QueueConfig(_Model):
     # The redrive loop guard (SPEC §13): a task already redriven this many times is refused by a redrive unless it
     # is forced (`rdq redrive --force`): a task that keeps dying is a bug to fix, not a task to retry forever.
     max_redrives: int = Field(default=5, ge=0)
+    # Per-key ordering (SPEC §12): `key` runs at most one record per key at a time, in offset order (concurrently
+    # across keys); a failed record's later same-key records are parked behind its task. `on_dead` decides what a
+    # dead head does: `release` (the next record runs) or `hold` (the key waits for a redrive or `rdq skip`).
+    ordering: Literal["none", "key"] = "none"
+    on_dead: Literal["release", "hold"] = "release"
 
     @model_validator(mode="before")
     @classmethod

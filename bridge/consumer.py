@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import logging
@@ -35,7 +36,7 @@ from bridge.config import BridgeConfig
 from bridge.first_delivery import FirstDelivery, Ran
 from bridge.lanes import CpuLoad, Lane
 from bridge.live_config import LiveConfig
-from bridge.model import Status
+from bridge.model import Status, order_key_of
 from bridge.offsets import PartitionTracker
 from bridge.records import SourceRecord
 from bridge.store import Store, StoreError
@@ -52,6 +53,8 @@ _BACKPRESSURE_INTERVAL = 0.25
 _RESUME_FRACTION = 0.9
 _JOURNALS_IN_FLIGHT = 4  # fetched batches waiting for their journal write before the poll waits too
 _WATCH_INTERVAL = 0.05  # how late past its lease a hung first delivery may be noticed
+_KEYS_INTERVAL = 0.2  # ordering: key — how often blocked keys are checked against the store (a freed key's next
+# records are parked, then released by the store's trigger, until then: slower, never out of order)
 _FLUSH_TIMEOUT = 15.0  # a revoke's last changelog transaction (the writer's own timeouts are shorter)
 
 
@@ -198,6 +201,7 @@ class SourceConsumer:
                          on_lost=self._on_lost)
         pressure = asyncio.create_task(self._watch_backpressure(stop))
         watchdog = asyncio.create_task(self._watch_lanes())
+        keys = asyncio.create_task(self._refresh_keys())
         try:
             await self._consume_until(stop)
         finally:
@@ -206,6 +210,7 @@ class SourceConsumer:
                 await self._shutdown()
             finally:
                 watchdog.cancel()
+                keys.cancel()
 
     async def _consume_until(self, stop: asyncio.Event) -> None:
         assert self._consumer is not None
@@ -279,8 +284,40 @@ class SourceConsumer:
         for tp, batch in by_partition.items():
             if tp not in self._trackers:
                 continue  # revoked meanwhile: left uncommitted for the next owner
-            self._lane(tp).add(batch)
+            lane = self._lane(tp)
+            if not lane.keys_loaded:
+                await self._load_keys(lane)
+            lane.add(batch)
             self._start_ready(tp)
+
+    async def _load_keys(self, lane: Lane) -> None:
+        """ordering: key — the partition's keys with an open task in the store block their records from the
+        first one (tasks from before a restart, restored from the changelog, parked ones)."""
+        delay = 0.05
+        while True:
+            try:
+                keys = await self.store.order_open_keys(lane.tp[0], lane.tp[1], lane.queue_name)
+                break
+            except StoreError as e:
+                log.error("cannot read the open keys of %s/%d (retrying): %s", *lane.tp, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        lane.load_keys({base64.b64decode(k.rsplit("/", 1)[1]) for k in keys})
+
+    async def _refresh_keys(self) -> None:
+        """ordering: key — blocked keys whose tasks all ended are unblocked (their records run inline again)."""
+        while True:
+            await asyncio.sleep(_KEYS_INTERVAL)
+            for lane in [lane for lane in self._lanes.values() if lane.ordered and not lane.released]:
+                blocked = lane.blocked_keys()
+                if not blocked:
+                    continue
+                by_order_key = {order_key_of(lane.tp[0], lane.tp[1], key): key for key in blocked}
+                try:
+                    still = await self.store.order_open_of(list(by_order_key))  # type: ignore[arg-type]
+                except StoreError:
+                    continue
+                lane.unblock({key: blocked[key] for order_key, key in by_order_key.items() if order_key not in still})
 
     def _lane(self, tp: TP) -> Lane:
         lane = self._lanes.get(tp)
@@ -351,11 +388,14 @@ class SourceConsumer:
             # Not done: keep the records pending (the commit cannot pass them) and run them again shortly.
             log.exception("storing failed first deliveries failed unexpectedly; retrying",
                           extra={"queue": lane.queue_name})
+            lane.stored([ran.record.key for ran in failures])  # reported again when they run again
             await asyncio.sleep(1.0)
             if self._lanes.get(tp) is lane:
                 lane.put_back([ran.record for ran in failures])
                 self._start_ready(tp)
             return
+        if lane.ordered:
+            lane.stored([ran.record.key for ran in failures])
         for ran, task in zip(failures, stored, strict=True):
             if self.changelog is not None:
                 # Stored here; its offset moves once its task is in the changelog.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -25,7 +26,18 @@ from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
-from bridge.model import LEASE_EXPIRED, TIMEOUT, UNROUTABLE, Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
+from bridge.model import (
+    LEASE_EXPIRED,
+    TIMEOUT,
+    UNROUTABLE,
+    Attempt,
+    ErrorInfo,
+    NewTask,
+    Outcome,
+    Status,
+    new_task_id,
+    order_key_of,
+)
 from bridge.policy import decide
 from bridge.records import SourceRecord, TaskHeaders
 from bridge.registry import Handler, Registry
@@ -36,6 +48,15 @@ from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
+
+
+def ordered(task: NewTask, record: SourceRecord, queue: QueueConfig) -> NewTask:
+    """A first delivery's task with its place in its key's order (ordering: key; a record without a key has none:
+    each is its own key)."""
+    if queue.ordering != "key" or record.key is None:
+        return task
+    return dataclasses.replace(task, order_key=order_key_of(record.topic, record.partition, record.key),
+                               order_seq=record.offset, order_hold=queue.on_dead == "hold")
 
 
 @dataclass(frozen=True)
@@ -158,9 +179,12 @@ class FirstDelivery:
             reason = ErrorInfo(UNROUTABLE, f"topic {record.topic} has no queue in the configuration")
             return self._dead_task(record, queue_name, "", reason)
         if suspect:
-            return self._crashed_task(record, queue_name, queue)
+            return ordered(self._crashed_task(record, queue_name, queue), record, queue)
         if queue.remote:
-            # The handler lives in remote workers: the record becomes a task due now, for them to claim.
+            # The handler lives in remote workers: the record becomes a task due now, for them to claim (with
+            # ordering: key, parked behind its key's open task; the store makes it due when there is none).
+            if queue.ordering == "key" and record.key is not None:
+                return self.parked(record, queue_name, queue)
             now = self.clock.now_ms()
             return NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
                            headers=record.task_headers(), status=Status.PENDING, created_at=now, first_attempt=None,
@@ -168,7 +192,7 @@ class FirstDelivery:
         handler = self.registry.get(queue.handler)
         if handler is None:
             reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
-            return self._dead_task(record, queue_name, queue.handler, reason)
+            return ordered(self._dead_task(record, queue_name, queue.handler, reason), record, queue)
         telemetry = self.telemetry
         sampled = telemetry.tracing and telemetry.sample(record)
         # Untraced here, a record without a traceparent still gets a sampled one (downstream may trace it).
@@ -255,7 +279,18 @@ class FirstDelivery:
             return Ran(begun.record, begun.queue_name, None, result.outcome, seconds)
         task = self._failed_task(begun.record, begun.queue_name, begun.queue, begun.ctx.headers, begun.ctx.task_id,
                                  begun.handler.version, begun.started_ms, result)
-        return Ran(begun.record, begun.queue_name, task, result.outcome, seconds)
+        return Ran(begun.record, begun.queue_name, ordered(task, begun.record, begun.queue), result.outcome, seconds)
+
+    def parked(self, record: SourceRecord, queue_name: str, queue: QueueConfig) -> NewTask:
+        """A record of a key held back by an open task (ordering: key): stored PARKED behind it, its handler not
+        run, no attempt spent (SPEC §12). The store makes it PENDING, due now, if the key has no open task by
+        then."""
+        task = NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
+                       headers=record.task_headers(), status=Status.PARKED, created_at=self.clock.now_ms(),
+                       first_attempt=None, payload_content_type=record.content_type,
+                       order_key=order_key_of(record.topic, record.partition, record.key), order_seq=record.offset,
+                       order_hold=queue.on_dead == "hold")
+        return task
 
     def count(self, queue_name: str, results: list[Ran]) -> None:
         """The attempt metrics of a batch of results (one lock, not one per record)."""

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -102,5 +103,14 @@ class HealthServer:
             return
         metrics.open_tasks.clear()
         for queue in set(self._queues()) | set(counts):  # configured queues show 0, not nothing
-            for status in ("PENDING", "IN_FLIGHT"):
+            for status in ("PENDING", "IN_FLIGHT", "PARKED"):
                 metrics.open_tasks.labels(queue, status).set(counts.get(queue, {}).get(status, 0))
+        try:
+            parked = await self.store.parked_stats()
+        except StoreError:
+            return
+        now_ms = time.time() * 1000
+        metrics.parked_oldest.clear()
+        for queue in set(self._queues()) | set(parked):
+            oldest = parked.get(queue, (0, now_ms))[1]
+            metrics.parked_oldest.labels(queue).set(max(0.0, (now_ms - oldest) / 1000))

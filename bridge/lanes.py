@@ -14,6 +14,11 @@ offset order, until none is left.
   `queue_timeout`, is abandoned — its failure reported, its runner let go (a sync one's thread is counted stuck
   until it returns), a new runner takes the records after it.
 - Results reach the loop in batches (`on_results`), so the failures of a batch are stored in one group commit.
+- `ordering: key` (SPEC §12): at most one record of a key runs at a time, in offset order; the others of that key
+  wait aside (`_waiting`) and come back to the front when it ends. A key whose record became a task is *blocked*:
+  its later records are parked (stored behind the task, not run). A key is unblocked only when the store says it
+  has no open task left, no task of it is on its way into the store, and none was reported since the store was
+  asked (`refresh_keys`) — a key that looked free too early would run a record ahead of its task.
 """
 
 from __future__ import annotations
@@ -61,10 +66,11 @@ class CpuLoad:
 class Runner:
     """One runner: the record it is running now (for the watchdog), and how to let it go."""
 
-    __slots__ = ("abandoned", "call", "current", "task")
+    __slots__ = ("abandoned", "call", "current", "park", "task")
 
     def __init__(self) -> None:
         self.current: Begun | None = None
+        self.park = False  # the record just taken is parked, not run (its key is blocked)
         self.abandoned = False
         self.call: Future[None] | None = None  # a sync runner's call on the handler threads
         self.task: asyncio.Task[None] | None = None  # an async runner
@@ -101,6 +107,14 @@ class Lane:
         self._starting = 0
         self._results: list[Ran] = []
         self._wake_pending = False
+        # ordering: key. Keys are the record key bytes (a lane is one partition). All under `_lock`.
+        queue = delivery.config.queue(queue_name)
+        self.ordered = queue is not None and queue.ordering == "key" and not queue.remote
+        self._running_keys: set[bytes] = set()
+        self._waiting: dict[bytes, deque[SourceRecord]] = {}
+        # blocked key → [generation (+1 at each task reported for it), tasks reported but not yet stored]
+        self._blocked: dict[bytes, list[int]] = {}
+        self.keys_loaded = not self.ordered  # the consumer loads the partition's open keys before its first records
 
     # ---- on the loop ---------------------------------------------------------------------------------------
 
@@ -138,6 +152,7 @@ class Lane:
         self.held = self.released = True
         with self._lock:
             self.ready.clear()
+            self._waiting.clear()
             self.ready_bytes = 0
             for runner in self._runners:
                 runner.abandoned = True  # it reports what it is running, then takes nothing more
@@ -202,9 +217,84 @@ class Lane:
             if runner.abandoned or self.held or not self.ready:
                 self._runners.discard(runner)
                 return None
+            if self.ordered:
+                return self._next_in_order(runner)
             record = self.ready.popleft()
             self.ready_bytes -= len(record.value)
             return record
+
+    def _next_in_order(self, runner: Runner) -> SourceRecord | None:
+        """(Under the lock.) The first ready record whose key is not running; those of running keys wait aside, in
+        order. A record of a blocked key is taken to be parked (`runner.park`)."""
+        while self.ready:
+            record = self.ready.popleft()
+            key = record.key
+            if key is not None and key in self._running_keys:
+                self._waiting.setdefault(key, deque()).append(record)
+                continue
+            self.ready_bytes -= len(record.value)
+            if key is not None:
+                self._running_keys.add(key)  # parks of a key are serialized too: the store decides in order
+            runner.park = key is not None and key in self._blocked
+            return record
+        self._runners.discard(runner)
+        return None
+
+    # ---- ordering: key ------------------------------------------------------------------------------------
+
+    def load_keys(self, keys: set[bytes]) -> None:
+        """The keys of this partition that have an open task in the store (at assignment): blocked from the
+        start."""
+        with self._lock:
+            for key in keys:
+                self._blocked.setdefault(key, [0, 0])
+            self.keys_loaded = True
+
+    def blocked_keys(self) -> dict[bytes, int]:
+        """The blocked keys with nothing on its way into the store, and their generation (for `unblock`)."""
+        with self._lock:
+            return {key: gen for key, (gen, pending) in self._blocked.items() if pending == 0}
+
+    def unblock(self, free: dict[bytes, int]) -> None:
+        """Keys the store found with no open task, as of `blocked_keys()` before the store was asked: unblocked if
+        no task of theirs was reported since."""
+        with self._lock:
+            for key, gen in free.items():
+                entry = self._blocked.get(key)
+                if entry is not None and entry[0] == gen and entry[1] == 0:
+                    del self._blocked[key]
+
+    def stored(self, keys: list[bytes | None]) -> None:
+        """Tasks reported for these keys are in the store now (or were put back to run again)."""
+        with self._lock:
+            for key in keys:
+                entry = self._blocked.get(key) if key is not None else None
+                if entry is not None and entry[1] > 0:
+                    entry[1] -= 1
+
+    def _key_ended(self, ran: Ran) -> bool:
+        """(Under the lock.) A record of an ordered lane ended: its key is free to run its next record, blocked if
+        the record became a task. True when a waiting record came back to the front."""
+        key = ran.record.key
+        if key is None:
+            return False
+        self._running_keys.discard(key)
+        if ran.task is not None:
+            entry = self._blocked.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
+        waiting = self._waiting.get(key)
+        if not waiting:
+            return False
+        self.ready.appendleft(waiting.popleft())
+        if not waiting:
+            del self._waiting[key]
+        return True
+
+    def _park(self, record: SourceRecord) -> Ran:
+        queue = self.delivery.config.queue(self.queue_name)
+        assert queue is not None
+        return Ran(record, self.queue_name, self.delivery.parked(record, self.queue_name, queue))
 
     def _report(self, ran: Ran, slow: bool = False) -> None:
         """A record's end, from a runner (or the watchdog): handed to the loop in batches."""
@@ -212,6 +302,7 @@ class Lane:
             self._on_failure(self, ran)
         with self._lock:
             self._results.append(ran)
+            back = self.ordered and self._key_ended(ran)
             wake = not self._wake_pending
             self._wake_pending = True
             spawn = 0
@@ -222,6 +313,8 @@ class Lane:
             self._call_soon(self._take_results)
         if spawn:
             self._call_soon(self._start_runners, spawn)
+        elif back:
+            self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
     def _drain_sync(self, runner: Runner) -> None:
         """A sync runner, on a handler thread: the ready records one after another."""
@@ -230,6 +323,9 @@ class Lane:
         streak = 0
         try:
             while (record := self._next(runner)) is not None:
+                if runner.park:
+                    self._report(self._park(record))
+                    continue
                 prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
                 if not isinstance(prepared, Begun):
                     self._report(Ran(record, self.queue_name, prepared))
@@ -266,6 +362,9 @@ class Lane:
         try:
             while (record := self._next(runner)) is not None:
                 self._maybe_second_runner()
+                if runner.park:
+                    self._report(self._park(record))
+                    continue
                 prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
                 if not isinstance(prepared, Begun):
                     self._report(Ran(record, self.queue_name, prepared))

@@ -31,6 +31,7 @@ class Status(StrEnum):
     IN_FLIGHT = "IN_FLIGHT"
     SUCCEEDED = "SUCCEEDED"
     DEAD = "DEAD"
+    PARKED = "PARKED"  # behind an open task of its key (ordering: key), not run, no attempt spent (SPEC §12)
 
     @property
     def terminal(self) -> bool:
@@ -200,6 +201,11 @@ class Task:
     dlq_offset: int | None
     attempts: tuple[Attempt, ...] = field(default=())
     dlq_failures: int = 0  # failed DLQ publish tries since it went DEAD (the outbox's own retry count)
+    # ordering: key (SPEC §12): the key's records of one partition, in offset order; order_hold: on_dead `hold`
+    order_key: str | None = None
+    order_seq: int | None = None
+    order_hold: bool = False
+    parked_behind: int = 0  # records of its key parked behind it, when read with that count (the DLQ outbox)
 
     @property
     def source(self) -> str:
@@ -225,7 +231,9 @@ class Task:
             life_started_at=row["life_started_at"], finished_at=row["finished_at"], fetched_at=row["fetched_at"],
             dead_reason=reason, dlq_state=row["dlq_state"], dlq_topic=row["dlq_topic"],
             dlq_partition=row["dlq_partition"], dlq_offset=row["dlq_offset"], attempts=attempts,
-            dlq_failures=row["dlq_failures"],
+            dlq_failures=row["dlq_failures"], order_key=_column(row, "order_key"),
+            order_seq=_column(row, "order_seq"), order_hold=bool(_column(row, "order_hold")),
+            parked_behind=_column(row, "parked_behind") or 0,
         )  # fmt: skip
 
     @classmethod
@@ -246,7 +254,7 @@ class Task:
             finished_at=parse_rfc3339(data.get("finished_at")), fetched_at=parse_rfc3339(data.get("fetched_at")),
             dead_reason=ErrorInfo(reason["type"], reason.get("message") or "") if reason else None,
             dlq_state=dlq.get("state"), dlq_topic=dlq.get("topic"), dlq_partition=dlq.get("partition"),
-            dlq_offset=dlq.get("offset"), attempts=attempts,
+            dlq_offset=dlq.get("offset"), attempts=attempts, **_ordering_from_json(data.get("ordering")),
         )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -271,7 +279,32 @@ class Task:
             "dead_reason": self.dead_reason.to_json() if self.dead_reason else None,
             "dlq": {"state": self.dlq_state, "topic": self.dlq_topic, "partition": self.dlq_partition,
                     "offset": self.dlq_offset} if self.dlq_state else None,
+            **({"ordering": {"key": self.order_key, "seq": self.order_seq, "hold": self.order_hold,
+                             "parked_behind": self.parked_behind}}
+               if self.order_key is not None else {}),
         }  # fmt: skip
+
+
+def _column(row: Row, name: str) -> Any:
+    """A column that rows read before its migration do not have."""
+    try:
+        return row[name]
+    except (KeyError, IndexError):
+        return None
+
+
+def _ordering_from_json(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict) or not data.get("key"):
+        return {}
+    return {"order_key": str(data["key"]), "order_seq": data.get("seq"), "order_hold": bool(data.get("hold"))}
+
+
+def order_key_of(topic: str, partition: int, key: bytes | None) -> str | None:
+    """The ordering key of a record (SPEC §12): its key within its partition; None for a record without a key
+    (each is its own key: never parked)."""
+    if key is None:
+        return None
+    return f"{topic}/{partition}/{base64.b64encode(key).decode('ascii')}"
 
 
 @dataclass(frozen=True)
@@ -290,14 +323,21 @@ class NewTask:
     handler_version: str | None = None
     payload_content_type: str = "application/octet-stream"
     id: str = field(default_factory=new_task_id)
+    # ordering: key (SPEC §12). A PARKED new task is stored PARKED when its key has an open task, else PENDING due
+    # at `created_at` (decided in the store, in the insert: nothing can end in between).
+    order_key: str | None = None
+    order_seq: int | None = None
+    order_hold: bool = False
 
     def __post_init__(self) -> None:
         if self.status == Status.PENDING and self.next_attempt_at is None:
             raise ValueError("a PENDING task needs next_attempt_at")
         if self.status == Status.DEAD and self.dead_reason is None:
             raise ValueError("a DEAD task needs a dead_reason")
-        if self.status not in (Status.PENDING, Status.DEAD):
-            raise ValueError("a new task is PENDING or DEAD")
+        if self.status not in (Status.PENDING, Status.DEAD, Status.PARKED):
+            raise ValueError("a new task is PENDING, DEAD or PARKED")
+        if self.status == Status.PARKED and self.order_key is None:
+            raise ValueError("a PARKED task needs an order_key")
 
     def params(self) -> dict[str, Any]:
         dead = self.status == Status.DEAD
@@ -313,6 +353,7 @@ class NewTask:
             "dead_reason_message": self.dead_reason.message if self.dead_reason else None,
             "dlq_state": "PENDING" if dead else None, "source_ref": self.source_ref,
             **home_params(home_of(self.headers)),
+            "order_key": self.order_key, "order_seq": self.order_seq, "order_hold": int(self.order_hold),
         }  # fmt: skip
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-STATUSES = ("PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD")
+STATUSES = ("PENDING", "IN_FLIGHT", "PARKED", "SUCCEEDED", "DEAD")
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -31,7 +31,7 @@ def render(command: str, replies: list[dict[str, Any]]) -> str:
     if not replies:
         return "no instance answered within the timeout"
     renderer = {"stats": _stats, "list": _list, "get": _get, "redrive": _redrive,
-                "set-policy": _set_policy}.get(command, _generic)
+                "set-policy": _set_policy, "skip": _skip}.get(command, _generic)
     parts = [renderer(ok)] if ok else []
     return "\n".join([*parts, *errors(replies)])
 
@@ -91,6 +91,16 @@ def task_view(task: dict[str, Any], instance: str | None = None) -> str:
     if task.get("dlq"):
         dlq = task["dlq"]
         head.append(f"  dlq {dlq['state']} {dlq.get('topic') or ''}/{dlq.get('partition')}/{dlq.get('offset')}")
+    ordering = task.get("ordering")
+    if ordering:
+        behind = task.get("waits_behind")
+        line = f"  ordering: key {ordering['key']}  offset {ordering['seq']}" + (" (on_dead: hold)"
+                                                                                if ordering.get("hold") else "")
+        if behind:
+            line += f"  — parked behind task {behind['id']} ({behind['status']})"
+        if task.get("parked_behind"):
+            line += f"  — {task['parked_behind']} record(s) of its key parked behind it"
+        head.append(line)
     rows = [[a.get("redrive_no", 0), a["attempt_no"], a["outcome"], a["started_at"], a["finished_at"],
              (a.get("error") or {}).get("type"), short((a.get("error") or {}).get("message"), 50), a.get("worker")]
             for a in task.get("attempts", [])]
@@ -118,6 +128,13 @@ def _redrive(replies: list[dict[str, Any]]) -> str:
                      result.get("count", 0), len(matched) if isinstance(matched, list) else matched,
                      short(result.get("note"), 70)])
     return table(["INSTANCE", "ACTION", "COUNT", "MATCHED", "NOTE"], rows)
+
+
+def _skip(replies: list[dict[str, Any]]) -> str:
+    rows = [[r["instance"], r["result"].get("task_id"), "skipped" if r["result"].get("skipped") else "-",
+             r["result"].get("parked_behind", ""), r["result"].get("note") or ""]
+            for r in replies if r["result"].get("held")]
+    return table(["INSTANCE", "TASK", "RESULT", "PARKED BEHIND", "NOTE"], rows) if rows else "no instance holds it"
 
 
 def _set_policy(replies: list[dict[str, Any]]) -> str:

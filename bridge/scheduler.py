@@ -368,6 +368,8 @@ class Scheduler:
                     self.wake(task.queue)
         if not outcome.accepted:
             log.info("result refused: the task was re-queued or finished elsewhere", extra=extra)
+        elif task.order_key is not None:
+            self.wake(task.queue)  # its end may have released the next parked record of its key (SPEC §12)
         return outcome
 
     def _breaker_note(self, task: Task, started: int) -> str | None:

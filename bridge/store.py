@@ -548,6 +548,48 @@ class Store:
                 out["waiting"] += n
         return out
 
+    # ---- ordering: key (SPEC §12) ----------------------------------------------------------------------
+
+    async def skip(self, task_id: str) -> str | None:
+        """A dead head holding its key (on_dead: hold) lets it go: the key's next parked task becomes due (the
+        release trigger, same transaction). Returns the key, or None when the task is not such a head."""
+
+        def apply(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute(q("order_skip"), {"id": task_id}).fetchone()
+            return None if row is None else str(row[0])
+
+        return await self._submit(apply)
+
+    async def order_open_keys(self, topic: str, partition: int, queue: str) -> set[str]:
+        """The keys of a partition that hold back their later records (a task running, due, parked or holding)."""
+        params = {"topic": topic, "partition": partition, "queue": queue}
+        rows = await self._submit(lambda c: c.execute(q("order_open_keys"), params).fetchall())
+        return {r[0] for r in rows}
+
+    async def order_open_of(self, keys: Iterable[str]) -> set[str]:
+        """Which of `keys` still hold back their later records. On the writer: after every write submitted
+        before it (a key must not look free while its task is on its way into the store)."""
+        params = {"keys": json.dumps(list(keys))}
+        rows = await self._submit(lambda c: c.execute(q("order_open_of"), params).fetchall())
+        return {r[0] for r in rows}
+
+    async def order_head(self, task: Task) -> dict[str, Any] | None:
+        """What a parked task waits behind: its key's earliest task not parked and not finished (or holding)."""
+        if task.order_key is None:
+            return None
+        params = {"order_key": task.order_key, "id": task.id}
+        row = await self._read(lambda c: c.execute(q("order_head"), params).fetchone())
+        return None if row is None else {"id": row[0], "status": row[1]}
+
+    async def parked_behind(self, order_key: str) -> int:
+        return int(await self._read(lambda c: c.execute(q("order_parked_behind"),
+                                                         {"order_key": order_key}).fetchone()[0]))
+
+    async def parked_stats(self) -> dict[str, tuple[int, int]]:
+        """Per queue: (parked tasks, the oldest one's parking time in ms)."""
+        rows = await self._scan(lambda c: c.execute(q("parked_oldest")).fetchall())
+        return {r[0]: (int(r[1]), int(r[2])) for r in rows}
+
     async def mark_fetched(self, task_id: str, now: int) -> bool:
         params = {"id": task_id, "now": now}
         return await self._submit(lambda c: c.execute(q("mark_fetched"), params).rowcount == 1)
@@ -739,11 +781,11 @@ class Store:
         return out
 
     async def open_counts(self) -> dict[str, dict[str, int]]:
-        """PENDING and IN_FLIGHT counts by queue (the open-tasks gauge)."""
+        """PENDING, IN_FLIGHT and PARKED counts by queue (the open-tasks gauge)."""
         rows = await self._scan(lambda c: c.execute(q("count_open_by_queue_status")).fetchall())
         out: dict[str, dict[str, int]] = {}
         for queue, status, n in rows:
-            out.setdefault(queue, {"PENDING": 0, "IN_FLIGHT": 0})[status] = n
+            out.setdefault(queue, {"PENDING": 0, "IN_FLIGHT": 0, "PARKED": 0})[status] = n
         return out
 
     async def count_open(self, queue: str) -> int:

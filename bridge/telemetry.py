@@ -55,8 +55,10 @@ class Metrics:
         self.redrives = Counter("rdq_redrives", "Tasks redriven", ["queue"], registry=r)
         self.dlq_published = Counter("rdq_dlq_published", "DLQ records acknowledged by the broker", ["queue"],
                                      registry=r)
-        self.open_tasks = Gauge("rdq_open_tasks", "Open tasks (PENDING, IN_FLIGHT) by queue", ["queue", "status"],
-                                registry=r)
+        self.open_tasks = Gauge("rdq_open_tasks", "Open tasks (PENDING, IN_FLIGHT, PARKED) by queue",
+                                ["queue", "status"], registry=r)
+        self.parked_oldest = Gauge("rdq_parked_oldest_seconds", "Age of the queue's oldest parked task (ordering: "
+                                   "key): how long its key has been held back", ["queue"], registry=r)
         self.time_to_success = Histogram("rdq_time_to_success_seconds",
                                          "From a task's creation (first failure) to its success",
                                          ["queue"], buckets=_TIME_TO_SUCCESS_BUCKETS, registry=r)

@@ -306,8 +306,8 @@ async def test_counts_and_lists(store: Store) -> None:
     await store.submit(failure())
     await store.submit(failure(dead=ErrorInfo("rdq.Unroutable", "x")))
     await store.submit(failure(queue="other"))
-    assert await store.counts() == {"q": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 1},
-                                    "other": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 0}}
+    assert await store.counts() == {"q": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 1, "PARKED": 0},
+                                    "other": {"PENDING": 1, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 0, "PARKED": 0}}
     assert await store.count_open("q") == 1
     assert len(await store.list_tasks(queue="q", status=Status.DEAD)) == 1
     assert len(await store.dead_ids("q", error_type="rdq.Unroutable")) == 1
@@ -360,7 +360,7 @@ async def test_a_redelivered_record_does_not_become_a_second_task(store: Store) 
     await store.submit(first)
     await asyncio.gather(store.submit(again), store.submit(failure()))  # the bulk path too
     await store.submit(again)
-    assert (await store.counts())["q"] == {"PENDING": 2, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 0}
+    assert (await store.counts())["q"] == {"PENDING": 2, "IN_FLIGHT": 0, "SUCCEEDED": 0, "DEAD": 0, "PARKED": 0}
     assert await store.get(again.id) is None
     task = await store.get(first.id)
     assert task is not None and len(task.attempts) == 1

@@ -22,6 +22,7 @@ _TASK_FIELDS = (
     "redrive_count", "next_attempt_at", "lease_expires_at", "lease_token", "lease_owner", "lease_started_at",
     "created_at", "life_started_at", "finished_at", "fetched_at", "dead_reason_type", "dead_reason_message",
     "dlq_state", "dlq_topic", "dlq_partition", "dlq_offset", "home_topic", "home_partition",
+    "order_key", "order_seq", "order_hold",  # ordering: key (SPEC §12); records from before it have none
 )  # fmt: skip
 _ATTEMPT_FIELDS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
                    "error_message", "error_stack", "worker", "late_result_of", "note")

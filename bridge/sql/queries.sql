@@ -3,12 +3,25 @@
 
 -- name: insert_task
 -- A source record that already has a task here (redelivered after a crash) is not stored twice.
+-- A PARKED task (ordering: key) is parked only behind an open task of its key — running, due, parked, or dead and
+-- holding its key; with none (the head ended meanwhile) it is stored PENDING, due at once. Decided here, in the
+-- insert: no head can end between the check and the write.
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
-                   dead_reason_type, dead_reason_message, dlq_state, source_ref, home_topic, home_partition)
-VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status,
-        :attempt_count, 0, :next_attempt_at, :created_at, :created_at, :finished_at,
-        :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref, :home_topic, :home_partition)
+                   dead_reason_type, dead_reason_message, dlq_state, source_ref, home_topic, home_partition,
+                   order_key, order_seq, order_hold)
+SELECT :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers,
+       CASE WHEN :status != 'PARKED' THEN :status WHEN held.open THEN 'PARKED' ELSE 'PENDING' END,
+       :attempt_count, 0,
+       CASE WHEN :status != 'PARKED' THEN :next_attempt_at WHEN held.open THEN NULL ELSE :created_at END,
+       :created_at, :created_at, :finished_at,
+       :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref, :home_topic, :home_partition,
+       :order_key, :order_seq, :order_hold
+  FROM (SELECT :status = 'PARKED' AND EXISTS (
+          SELECT 1 FROM tasks o WHERE o.order_key = :order_key
+             AND (o.status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (o.status = 'DEAD' AND o.order_hold = 1))) AS open
+       ) AS held
+ WHERE true
 ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
 
 -- name: insert_first_attempt
@@ -109,9 +122,10 @@ UPDATE tasks
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT' AND (:any_time OR lease_expires_at <= :now);
 
 -- name: timed_out
+-- A PARKED task's queue_timeout runs from when it was parked (its life_started_at).
 SELECT id, status, lease_token, attempt_count, redrive_count, lease_started_at, lease_owner
   FROM tasks
- WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT') AND life_started_at < :cutoff
+ WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT', 'PARKED') AND life_started_at < :cutoff
    AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
@@ -164,8 +178,17 @@ UPDATE tasks SET version = version + 1, fetched_at = :now
  WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND fetched_at IS NULL;
 
 -- name: redrive
+-- Of a key (ordering: key) with a task running or due now, it waits PARKED, at the front (its order_seq is the
+-- smallest of the key's): the key's head runs alone.
 UPDATE tasks
-   SET version = version + 1, status = 'PENDING', attempt_count = 0, redrive_count = redrive_count + 1, next_attempt_at = :now,
+   SET version = version + 1,
+       status = CASE WHEN order_key IS NOT NULL AND EXISTS (
+                  SELECT 1 FROM tasks o WHERE o.order_key = tasks.order_key AND o.id != tasks.id
+                     AND o.status IN ('PENDING', 'IN_FLIGHT')) THEN 'PARKED' ELSE 'PENDING' END,
+       attempt_count = 0, redrive_count = redrive_count + 1,
+       next_attempt_at = CASE WHEN order_key IS NOT NULL AND EXISTS (
+                  SELECT 1 FROM tasks o WHERE o.order_key = tasks.order_key AND o.id != tasks.id
+                     AND o.status IN ('PENDING', 'IN_FLIGHT')) THEN NULL ELSE :now END,
        life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
        dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL,
        dlq_failures = 0, dlq_next_at = NULL, dlq_error = NULL
@@ -182,8 +205,11 @@ VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
 
 -- name: dlq_outbox
 -- Entries whose last try failed wait for their own retry time; the others go first, oldest first.
--- :skip (a JSON array): entries already on their way, not read again.
-SELECT * FROM tasks
+-- :skip (a JSON array): entries already on their way, not read again. parked_behind: the records of its key
+-- waiting behind it (ordering: key), for its envelope.
+SELECT tasks.*, CASE WHEN order_key IS NULL THEN 0 ELSE (SELECT COUNT(*) FROM tasks p
+         WHERE p.order_key = tasks.order_key AND p.status = 'PARKED') END AS parked_behind
+  FROM tasks
  WHERE status = 'DEAD' AND dlq_state = 'PENDING' AND COALESCE(dlq_next_at, 0) <= :now
    AND id NOT IN (SELECT value FROM json_each(:skip))
    AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
@@ -264,10 +290,10 @@ SELECT t.status AS status, COALESCE(t.attempt_count > 0, 0) AS tried, COUNT(*) A
 SELECT queue, status, COUNT(*) AS n FROM tasks GROUP BY queue, status;
 
 -- name: count_open_by_queue_status
-SELECT queue, status, COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT') GROUP BY queue, status;
+SELECT queue, status, COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT', 'PARKED') GROUP BY queue, status;
 
 -- name: count_open
-SELECT COUNT(*) FROM tasks WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT');
+SELECT COUNT(*) FROM tasks WHERE queue = :queue AND status IN ('PENDING', 'IN_FLIGHT', 'PARKED');
 
 -- name: journal_inflight
 INSERT INTO inflight (topic, partition, run_id, lo, hi, written_at)
@@ -421,12 +447,14 @@ INSERT OR REPLACE INTO tasks (
     id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
     redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
     life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
-    dlq_partition, dlq_offset, dlq_failures, source_ref, home_topic, home_partition, version, logged_version)
+    dlq_partition, dlq_offset, dlq_failures, source_ref, home_topic, home_partition, version, logged_version,
+    order_key, order_seq, order_hold)
 VALUES (
     :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status, :attempt_count,
     :redrive_count, :next_attempt_at, :lease_expires_at, :lease_token, :lease_owner, :lease_started_at, :created_at,
     :life_started_at, :finished_at, :fetched_at, :dead_reason_type, :dead_reason_message, :dlq_state, :dlq_topic,
-    :dlq_partition, :dlq_offset, 0, :source_ref, :home_topic, :home_partition, :version, :version);
+    :dlq_partition, :dlq_offset, 0, :source_ref, :home_topic, :home_partition, :version, :version,
+    :order_key, :order_seq, COALESCE(:order_hold, 0));
 
 -- name: restore_insert_redrive
 INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
@@ -444,3 +472,35 @@ SELECT topic, partition, COUNT(*) AS n FROM changelog_unreadable GROUP BY topic,
 SELECT home_topic, home_partition,
        SUM(status IN ('PENDING', 'IN_FLIGHT')) AS open, SUM(version > logged_version) AS unlogged
   FROM tasks WHERE home_topic IS NOT NULL GROUP BY home_topic, home_partition;
+
+-- name: order_skip
+-- `skip` (SPEC §12): a dead head that holds its key (on_dead: hold) holds it no more; the trigger releases the
+-- key's next parked task.
+UPDATE tasks SET version = version + 1, order_hold = 0
+ WHERE id = :id AND status = 'DEAD' AND order_key IS NOT NULL AND order_hold = 1
+RETURNING order_key;
+
+-- name: order_open_keys
+-- The keys of a partition's ordered queue that hold back their later records: a task running, due, parked, or
+-- dead and holding.
+SELECT DISTINCT order_key FROM tasks
+ WHERE home_topic = :topic AND home_partition = :partition AND queue = :queue AND order_key IS NOT NULL
+   AND (status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (status = 'DEAD' AND order_hold = 1));
+
+-- name: order_open_of
+SELECT DISTINCT order_key FROM tasks
+ WHERE order_key IN (SELECT value FROM json_each(:keys))
+   AND (status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (status = 'DEAD' AND order_hold = 1));
+
+-- name: order_head
+-- What a parked task waits for: the key's earliest task that is not parked and not finished (or a held dead one).
+SELECT id, status FROM tasks
+ WHERE order_key = :order_key AND id != :id
+   AND (status IN ('PENDING', 'IN_FLIGHT') OR (status = 'DEAD' AND order_hold = 1))
+ ORDER BY order_seq LIMIT 1;
+
+-- name: order_parked_behind
+SELECT COUNT(*) FROM tasks WHERE order_key = :order_key AND status = 'PARKED';
+
+-- name: parked_oldest
+SELECT queue, COUNT(*) AS n, MIN(life_started_at) AS oldest FROM tasks WHERE status = 'PARKED' GROUP BY queue;

@@ -1,0 +1,150 @@
+"""Per-key ordering through a real broker (SPEC §12): a failing record holds back only the later records of its
+own key; their offsets are committed once they are parked; a dead head releases its key or holds it until an SRE
+skips or redrives it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.handler_api import HandlerContext, Permanent
+from bridge.model import Status
+from bridge.registry import Registry
+from tests.conftest import KafkaEnv
+from tests.kafka_helpers import committed_lag, produce, running_bridge, wait_until
+from tests.test_admin import admin_config, one
+
+pytestmark = pytest.mark.kafka
+
+
+class Recorder:
+    """A handler that records (key, seq, attempt, when) of each success, and fails as told."""
+
+    def __init__(self, fail: dict[tuple[str, int], int], permanent: set[tuple[str, int]] = frozenset()) -> None:
+        self.fail = dict(fail)  # (key, seq) → retryable failures before it succeeds
+        self.permanent = set(permanent)
+        self.done: list[tuple[str, int, int, float]] = []
+        self.running: dict[str, int] = {}
+        self.overlaps: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, ctx: HandlerContext) -> None:
+        body = json.loads(ctx.payload)
+        key, seq = body["key"], body["seq"]
+        with self.lock:
+            if self.running.get(key):
+                self.overlaps.append(f"{key}/{seq}")  # two records of one key at once
+            self.running[key] = self.running.get(key, 0) + 1
+        try:
+            time.sleep(0.0005)
+            if (key, seq) in self.permanent:
+                raise Permanent(f"{key}/{seq} cannot succeed")
+            if self.fail.get((key, seq), 0) >= ctx.attempt:
+                raise ConnectionError(f"{key}/{seq} attempt {ctx.attempt}")
+            with self.lock:
+                self.done.append((key, seq, ctx.attempt, time.monotonic()))
+        finally:
+            with self.lock:
+                self.running[key] -= 1
+
+    def seqs(self, key: str) -> list[int]:
+        return [seq for k, seq, _, _ in self.done if k == key]
+
+
+def records(keys: int, per_key: int) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
+    """Interleaved: seq n of every key, then seq n + 1 of every key…"""
+    return [(f"k{k}".encode(), json.dumps({"key": f"k{k}", "seq": n}).encode(), [])
+            for n in range(per_key) for k in range(keys)]
+
+
+def ordered_config(kafka: KafkaEnv, tmp_path: Path, unique: str, **queue: Any) -> Any:
+    base = {"handler": "recorder", "sources": [f"in-{unique}"], "ordering": "key", "max_attempts": 5,
+            "backoff": {"kind": "fixed", "base": "2s"}, "breaker": {"enabled": False}, **queue}
+    return admin_config(kafka, tmp_path, unique, {"q": base}, kafka={"topic_partitions": 1})
+
+
+async def test_a_failing_record_holds_back_only_its_own_key_and_the_commit_passes_its_parked_records(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """10 keys x 200 records in one partition; record 50 of key 3 fails twice, then succeeds (2 s backoff)."""
+    recorder = Recorder({("k3", 50): 2})
+    registry = Registry()
+    registry.register("recorder", recorder)
+    config = ordered_config(kafka, tmp_path, unique)
+    async with running_bridge(config, registry) as bridge:
+        began = time.monotonic()
+        produce(config, f"in-{unique}", records(10, 200))
+
+        async def parked_and_committed() -> bool:
+            counts = (await bridge.store.counts()).get("q", {})
+            return counts.get("PARKED", 0) > 0 and committed_lag(config, f"in-{unique}") == 0
+
+        # The commit passes the parked records while key 3 still waits for its retry.
+        await wait_until(parked_and_committed, within=60, what="parked records committed past")
+        assert [k for k, seq, attempt, _ in recorder.done if k == "k3" and seq >= 50] == []
+
+        await wait_until(lambda: len(recorder.done) == 2000, within=120, what="every record to succeed")
+        counts = (await bridge.store.counts())["q"]
+    assert counts["PARKED"] == 0 and counts["PENDING"] == 0 and counts["SUCCEEDED"] == 150  # 50..199 of key 3
+    for k in range(10):
+        assert recorder.seqs(f"k{k}") == list(range(200)), f"k{k} out of order"
+    assert recorder.overlaps == []
+    k3_retry = next(when for key, seq, attempt, when in recorder.done if (key, seq) == ("k3", 50))
+    others_done = max(when for key, _, _, when in recorder.done if key != "k3")
+    assert others_done < k3_retry - 1.0, "other keys were held back by key 3's backoff"
+    assert k3_retry - began >= 4.0  # two failures, 2 s apart
+
+
+async def test_a_dead_head_releases_its_key_or_holds_it_until_skipped_or_redriven(kafka: KafkaEnv,
+                                                                                   tmp_path: Path,
+                                                                                   unique: str) -> None:
+    recorder = Recorder({}, permanent={("k0", 1), ("k1", 1), ("k2", 1)})
+    registry = Registry()
+    registry.register("recorder", recorder)
+    config = ordered_config(kafka, tmp_path, unique, on_dead="hold")
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", records(3, 5))
+
+        async def parked(n: int) -> bool:
+            return (await bridge.store.counts()).get("q", {}).get("PARKED", 0) == n
+
+        await wait_until(lambda: len(recorder.done) == 3, what="seq 0 of each key")
+        await wait_until(lambda: parked(9), what="seq 2..4 of each key parked behind its dead head")
+        dead = {json.loads((await bridge.store.get(t.id)).payload)["key"]: t  # type: ignore[union-attr]
+                for t in await bridge.store.list_tasks("q", Status.DEAD)}
+        assert sorted(dead) == ["k0", "k1", "k2"]
+        view = await one(config, "get", {"task_id": dead["k0"].id})
+        assert view["task"]["parked_behind"] == 3 and view["task"]["ordering"]["hold"]
+        [waiting] = [t for t in await bridge.store.list_tasks("q", Status.PARKED)
+                     if json.loads((await bridge.store.get(t.id)).payload) == {"key": "k0", "seq": 2}]  # type: ignore[union-attr]
+        assert (await one(config, "get", {"task_id": waiting.id}))["task"]["waits_behind"]["id"] == dead["k0"].id
+
+        # skip: k0's dead head stays dead, its next records run, in order.
+        skipped = await one(config, "skip", {"task_id": dead["k0"].id})
+        assert skipped["skipped"] and skipped["parked_behind"] == 2  # seq 2 released, 3 and 4 wait for it
+        await wait_until(lambda: recorder.seqs("k0") == [0, 2, 3, 4], what="k0 released in order")
+        # redrive: k1's head (fixed now) runs first, then the rest of k1.
+        recorder.permanent.discard(("k1", 1))
+        assert (await one(config, "redrive", {"task_id": dead["k1"].id}))["count"] == 1
+        await wait_until(lambda: recorder.seqs("k1") == [0, 1, 2, 3, 4], what="k1's head first, then the rest")
+        assert recorder.seqs("k2") == [0]  # still held
+        assert await parked(3)
+    assert recorder.overlaps == []
+
+
+async def test_on_dead_release_lets_the_key_go_on_past_its_dead_head(kafka: KafkaEnv, tmp_path: Path,
+                                                                     unique: str) -> None:
+    recorder = Recorder({}, permanent={("k0", 1)})
+    registry = Registry()
+    registry.register("recorder", recorder)
+    config = ordered_config(kafka, tmp_path, unique)  # on_dead: release (the default)
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", records(2, 5))
+        await wait_until(lambda: len(recorder.done) == 9, what="every record but the dead one")
+        assert recorder.seqs("k0") == [0, 2, 3, 4] and recorder.seqs("k1") == [0, 1, 2, 3, 4]
+        counts = (await bridge.store.counts())["q"]
+        assert counts["DEAD"] == 1 and counts["PARKED"] == 0

@@ -1,0 +1,131 @@
+"""Per-key ordering in the store (SPEC §12): parking, release by the trigger, on_dead release | hold, skip, a
+redriven head at the front, timeouts and back-pressure counting parked tasks. Real SQLite on disk."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bridge.model import ErrorInfo, NewTask, Outcome, Status, order_key_of
+from bridge.store import Store
+from tests.helpers import T0, failure, report
+
+LEASE = 30.0
+KEY = order_key_of("t", 0, b"k")
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(tmp_path / "rdq.db")
+    yield s
+    await s.close()
+
+
+def head(offset: int, hold: bool = False, dead: bool = False, key: str | None = KEY) -> NewTask:
+    task = failure(dead=ErrorInfo("rdq.Unroutable", "x") if dead else None)
+    return dataclasses.replace(task, order_key=key, order_seq=offset, order_hold=hold)
+
+
+def parked(offset: int, hold: bool = False, key: str | None = KEY, now: int = T0) -> NewTask:
+    task = failure(now=now)
+    return dataclasses.replace(task, status=Status.PARKED, next_attempt_at=None, first_attempt=None,
+                               order_key=key, order_seq=offset, order_hold=hold)
+
+
+async def status(store: Store, *ids: str) -> list[str]:
+    return [str((await store.get(i)).status) for i in ids]  # type: ignore[union-attr]
+
+
+async def run(store: Store, task_id: str, outcome: Outcome, now: int = T0 + 10) -> None:
+    """Claim this task (it must be the only due one) and end its attempt."""
+    [claimed] = await store.claim_due("q", 10, LEASE, "w1", now)
+    assert claimed.id == task_id
+    token, attempt = claimed.lease_token, claimed.attempt_count
+    if outcome == Outcome.SUCCESS:
+        assert (await store.record_success(task_id, token, attempt, report(outcome, now))).accepted
+    else:
+        assert (await store.record_dead(task_id, token, report(outcome, now), ErrorInfo("Boom", "no"))).accepted
+
+
+async def test_records_behind_an_open_head_are_parked_and_released_one_at_a_time_in_order(store: Store) -> None:
+    first = await store.submit(head(10))
+    behind = [await store.submit(parked(offset)) for offset in (12, 11)]  # stored out of order: seq decides
+    assert await status(store, first, *behind) == ["PENDING", "PARKED", "PARKED"]
+    assert await store.count_open("q") == 3  # back-pressure counts parked tasks
+    assert (await store.order_head(await store.get(behind[0])))["id"] == first  # type: ignore[arg-type,index]
+    await run(store, first, Outcome.SUCCESS)
+    assert await status(store, *behind) == ["PARKED", "PENDING"]  # offset 11 first
+    task = await store.get(behind[1])
+    assert task is not None and task.next_attempt_at == T0 + 10 and task.attempt_count == 0  # due at once
+    await run(store, behind[1], Outcome.SUCCESS, T0 + 20)
+    assert await status(store, behind[0]) == ["PENDING"]
+
+
+async def test_a_parked_record_without_an_open_task_of_its_key_is_due_at_once(store: Store) -> None:
+    lone = await store.submit(parked(5))
+    other = await store.submit(head(6, key=order_key_of("t", 0, b"other")))
+    assert await status(store, lone, other) == ["PENDING", "PENDING"]
+
+
+async def test_a_dead_head_releases_its_key_or_holds_it_until_skipped(store: Store) -> None:
+    released = await store.submit(head(1))
+    after = await store.submit(parked(2))
+    await run(store, released, Outcome.PERMANENT_FAILURE)
+    assert await status(store, released, after) == ["DEAD", "PENDING"]  # on_dead: release
+
+    await run(store, after, Outcome.SUCCESS, T0 + 11)
+    key = order_key_of("t", 0, b"held")
+    holding = await store.submit(head(1, hold=True, key=key))
+    waiting = [await store.submit(parked(offset, hold=True, key=key)) for offset in (2, 3)]
+    await run(store, holding, Outcome.PERMANENT_FAILURE, T0 + 12)
+    assert await status(store, holding, *waiting) == ["DEAD", "PARKED", "PARKED"]  # on_dead: hold
+    late = await store.submit(parked(4, hold=True, key=key))  # a new record of the held key parks too
+    assert await status(store, late) == ["PARKED"]
+    assert await store.skip(waiting[0]) is None  # only a dead head that holds can be skipped
+    assert await store.skip(holding) == key
+    assert await status(store, holding, *waiting, late) == ["DEAD", "PENDING", "PARKED", "PARKED"]
+    assert await store.skip(holding) is None  # once
+
+
+async def test_a_redriven_held_head_runs_first_then_releases_the_rest(store: Store) -> None:
+    holding = await store.submit(head(1, hold=True))
+    waiting = await store.submit(parked(2, hold=True))
+    await run(store, holding, Outcome.PERMANENT_FAILURE)
+    assert await store.redrive(holding, T0 + 20)
+    assert await status(store, holding, waiting) == ["PENDING", "PARKED"]
+    await run(store, holding, Outcome.SUCCESS, T0 + 30)
+    assert await status(store, waiting) == ["PENDING"]
+
+
+async def test_a_redriven_head_waits_at_the_front_of_its_key_behind_the_one_running(store: Store) -> None:
+    first = await store.submit(head(1))
+    second, third = await store.submit(parked(2)), await store.submit(parked(3))
+    await run(store, first, Outcome.PERMANENT_FAILURE)  # release: the second runs
+    assert await status(store, second, third) == ["PENDING", "PARKED"]
+    assert await store.redrive(first, T0 + 15)
+    assert await status(store, first) == ["PARKED"]  # not beside the second
+    await run(store, second, Outcome.SUCCESS, T0 + 20)
+    assert await status(store, first, third) == ["PENDING", "PARKED"]  # the redriven head goes first
+
+
+async def test_a_parked_task_times_out_from_when_it_was_parked_and_the_key_moves_on(store: Store) -> None:
+    first = await store.submit(head(1))
+    stale = await store.submit(parked(2, now=T0 - 10_000))
+    assert await store.time_out("q", T0 - 5_000, T0, "queue_timeout") == 1
+    assert await status(store, first, stale) == ["PENDING", "DEAD"]
+    task = await store.get(stale)
+    assert task is not None and task.dead_reason is not None and task.dead_reason.type == "rdq.Timeout"
+
+
+async def test_purging_a_held_dead_head_releases_its_key(store: Store) -> None:
+    holding = await store.submit(head(1, hold=True, dead=True))
+    waiting = await store.submit(parked(2, hold=True))
+    assert await status(store, waiting) == ["PARKED"]
+    task = await store.get(holding)
+    assert task is not None
+    await store.mark_dlq_published(task, "dlq", 0, 7, T0 + 1)  # a DEAD task is purged only once in its DLQ
+    assert await store.purge_task(holding)
+    assert await status(store, waiting) == ["PENDING"]
