@@ -4,6 +4,7 @@ skips or redrives it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -13,10 +14,21 @@ from typing import Any
 import pytest
 
 from bridge.handler_api import HandlerContext, Permanent
+from bridge.kafka_clients import ensure_topics
 from bridge.model import Status
 from bridge.registry import Registry
+from bridge.store_reader import StoreReader
 from tests.conftest import KafkaEnv
-from tests.kafka_helpers import committed_lag, produce, running_bridge, wait_until
+from tests.kafka_helpers import (
+    BridgeProcess,
+    aread_dlq,
+    committed_lag,
+    example_log,
+    kafka_config,
+    produce,
+    running_bridge,
+    wait_until,
+)
 from tests.test_admin import admin_config, one
 
 pytestmark = pytest.mark.kafka
@@ -110,7 +122,7 @@ async def test_a_dead_head_releases_its_key_or_holds_it_until_skipped_or_redrive
     recorder = Recorder({}, permanent={("k0", 1), ("k1", 1), ("k2", 1)})
     registry = Registry()
     registry.register("recorder", recorder)
-    config = ordered_config(kafka, tmp_path, unique, on_dead="hold")
+    config = ordered_config(kafka, tmp_path, unique, on_dead="hold", dlq_topic=f"dlq-{unique}")
     async with running_bridge(config, registry) as bridge:
         produce(config, f"in-{unique}", records(3, 5))
 
@@ -138,6 +150,10 @@ async def test_a_dead_head_releases_its_key_or_holds_it_until_skipped_or_redrive
         await wait_until(lambda: recorder.seqs("k1") == [0, 1, 2, 3, 4], what="k1's head first, then the rest")
         assert recorder.seqs("k2") == [0]  # still held
         assert await parked(3)
+        # Each dead head's DLQ record says how many records of its key were parked behind it.
+        envelopes = {r.value["task"]["id"]: r.value for r in await aread_dlq(kafka.bootstrap_servers,
+                                                                             f"dlq-{unique}", expect=3)}
+        assert envelopes[dead["k2"].id]["task"]["ordering"]["parked_behind"] == 3
     assert recorder.overlaps == []
 
 
@@ -146,10 +162,58 @@ async def test_on_dead_release_lets_the_key_go_on_past_its_dead_head(kafka: Kafk
     recorder = Recorder({}, permanent={("k0", 1)})
     registry = Registry()
     registry.register("recorder", recorder)
+    recorder.fail[("none", 0)] = 1  # a record without a key is its own key: its failure holds back nothing
     config = ordered_config(kafka, tmp_path, unique)  # on_dead: release (the default)
     async with running_bridge(config, registry) as bridge:
-        produce(config, f"in-{unique}", records(2, 5))
-        await wait_until(lambda: len(recorder.done) == 9, what="every record but the dead one")
+        produce(config, f"in-{unique}", [*records(2, 5), *((None, json.dumps({"key": "none", "seq": n}).encode(), [])
+                                                            for n in range(3))])
+        await wait_until(lambda: len(recorder.done) == 12, what="every record but the dead one")
         assert recorder.seqs("k0") == [0, 2, 3, 4] and recorder.seqs("k1") == [0, 1, 2, 3, 4]
+        assert recorder.seqs("none") == [1, 2, 0]  # not held back by the keyless record 0's retry (2 s later)
         counts = (await bridge.store.counts())["q"]
         assert counts["DEAD"] == 1 and counts["PARKED"] == 0
+
+
+def test_sigkill_while_records_are_parked_keeps_each_keys_order_and_loses_nothing(kafka: KafkaEnv, tmp_path: Path,
+                                                                                    unique: str) -> None:
+    """A real `rdq run` (the example `flaky` handler, RDQ_EXAMPLE_LOG), SIGKILLed twice while records of a failing
+    key are parked. Between kills, each key's successes come in offset order; in the end every record succeeded."""
+    topic = f"in-{unique}"
+    log_path = tmp_path / "example.log"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "flaky", "sources": [topic], "ordering": "key", "max_attempts": 8, "lease": "3s",
+              "backoff": {"kind": "fixed", "base": "700ms"}, "breaker": {"enabled": False}}},
+        kafka={"topic_partitions": 1, "consumer": {"group.instance.id": f"bridge-{unique}",
+                                                   "session.timeout.ms": 10000}})
+    ensure_topics(config)
+    keys, per_key = 5, 60
+    # Record n of key k is offset n * keys + k. Key 0 fails a few times at 10, 25 and 40: its later records park.
+    fails = {(0, 10): 3, (0, 25): 2, (0, 40): 3}
+    key_of = {n * keys + k: k for n in range(per_key) for k in range(keys)}
+    produce(config, topic, [(f"k{k}".encode(), json.dumps({"fail": fails.get((k, n), 0), "ms": 2}).encode(), [])
+                            for n in range(per_key) for k in range(keys)])
+    bridge = BridgeProcess(config, tmp_path / "bridge.yaml", {"RDQ_EXAMPLE_LOG": str(log_path)})
+    segments = []  # the example log's length at each kill
+    parked_at_kills = []
+    for wait in (2.5, 3.0):
+        bridge.start()
+        time.sleep(wait)
+        assert bridge.alive, bridge.tail()
+        bridge.kill()
+        segments.append(len(example_log(log_path)))
+        parked_at_kills.append(StoreReader(config.store.path).counts().get("q", {}).get("PARKED", 0))
+    bridge.start()
+    try:
+        deadline = time.monotonic() + 120
+        while {int(e["source"].rsplit("/", 1)[1]) for e in example_log(log_path)} != set(key_of):
+            assert time.monotonic() < deadline, bridge.tail()
+            time.sleep(0.2)
+    finally:
+        assert bridge.terminate() == 0, bridge.tail()
+    assert any(parked_at_kills), parked_at_kills  # killed while records were parked
+    entries = [int(e["source"].rsplit("/", 1)[1]) for e in example_log(log_path)]
+    bounds = [0, *segments, len(entries)]
+    for begin, end in itertools.pairwise(bounds):
+        for k in range(keys):
+            offsets = [o for o in entries[begin:end] if key_of[o] == k]
+            assert offsets == sorted(offsets), f"key {k} out of order between kills: {offsets}"

@@ -52,16 +52,16 @@ async def run(store: Store, task_id: str, outcome: Outcome, now: int = T0 + 10) 
 
 async def test_records_behind_an_open_head_are_parked_and_released_one_at_a_time_in_order(store: Store) -> None:
     first = await store.submit(head(10))
-    behind = [await store.submit(parked(offset)) for offset in (12, 11)]  # stored out of order: seq decides
+    behind = [await store.submit(parked(offset)) for offset in (11, 12)]
     assert await status(store, first, *behind) == ["PENDING", "PARKED", "PARKED"]
     assert await store.count_open("q") == 3  # back-pressure counts parked tasks
     assert (await store.order_head(await store.get(behind[0])))["id"] == first  # type: ignore[arg-type,index]
     await run(store, first, Outcome.SUCCESS)
-    assert await status(store, *behind) == ["PARKED", "PENDING"]  # offset 11 first
-    task = await store.get(behind[1])
+    assert await status(store, *behind) == ["PENDING", "PARKED"]  # offset 11 first
+    task = await store.get(behind[0])
     assert task is not None and task.next_attempt_at == T0 + 10 and task.attempt_count == 0  # due at once
-    await run(store, behind[1], Outcome.SUCCESS, T0 + 20)
-    assert await status(store, behind[0]) == ["PENDING"]
+    await run(store, behind[0], Outcome.SUCCESS, T0 + 20)
+    assert await status(store, behind[1]) == ["PENDING"]
 
 
 async def test_a_parked_record_without_an_open_task_of_its_key_is_due_at_once(store: Store) -> None:
@@ -129,3 +129,12 @@ async def test_purging_a_held_dead_head_releases_its_key(store: Store) -> None:
     await store.mark_dlq_published(task, "dlq", 0, 7, T0 + 1)  # a DEAD task is purged only once in its DLQ
     assert await store.purge_task(holding)
     assert await status(store, waiting) == ["PENDING"]
+
+
+async def test_a_redelivered_record_older_than_its_keys_task_is_not_parked_again(store: Store) -> None:
+    """After a crash, records are redelivered from the committed offset: one that ran (succeeded) before a later
+    record of its key failed must not be parked behind that task (it would run again after it, out of order)."""
+    later = await store.submit(head(10))
+    ran_before = await store.submit(parked(5))
+    assert await store.get(ran_before) is None and await status(store, later) == ["PENDING"]
+    assert await status(store, await store.submit(parked(11))) == ["PARKED"]

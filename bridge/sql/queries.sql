@@ -21,7 +21,11 @@ SELECT :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_t
           SELECT 1 FROM tasks o WHERE o.order_key = :order_key
              AND (o.status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (o.status = 'DEAD' AND o.order_hold = 1))) AS open
        ) AS held
- WHERE true
+ -- A record to park whose key already has a later record's task ran before this one: the lane runs a key's
+ -- records in order, so it was handled (succeeded) before a crash and is redelivered; parking it would run it
+ -- again after the later ones. Not stored: done.
+ WHERE NOT (:status = 'PARKED' AND EXISTS (SELECT 1 FROM tasks o WHERE o.order_key = :order_key
+                                              AND o.order_seq > :order_seq))
 ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
 
 -- name: insert_first_attempt
