@@ -77,12 +77,13 @@ def bench_config(bootstrap: str, tmp: Path, queue: dict[str, Any], **extra: Any)
     return parse_config(tree)
 
 
-def produce(bootstrap: str, topic: str, n: int, payload: bytes = PAYLOAD) -> None:
+def produce(bootstrap: str, topic: str, n: int, payload: bytes = PAYLOAD, keys: int | None = None) -> None:
+    """n records; `keys`: that many distinct keys, in turn (default: every record its own key)."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.size": 1_000_000})
     for i in range(n):
         while True:
             try:
-                producer.produce(topic, value=payload, key=str(i).encode())
+                producer.produce(topic, value=payload, key=str(i if keys is None else i % keys).encode())
                 break
             except BufferError:
                 producer.poll(0.1)
@@ -330,6 +331,33 @@ async def bench_happy(bootstrap: str, n: int, runs: int) -> None:
                      f"ratio min/median/max {_spread(ratios[variant], '.2f')}  (goal {goals[variant]})")
     lines.append(f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB")
     record("happy path: bridge (ok handler) vs a bare consume/commit loop", lines)
+
+
+async def bench_ordering(bootstrap: str, n: int, runs: int, keys: int = 1000) -> None:
+    """The happy path (sync ok handler, nothing fails) with `ordering: key` against `ordering: none`, in the same
+    run, on records of `keys` distinct keys (so records of a key do wait for each other)."""
+    rates: dict[str, list[float]] = {"none": [], "key": []}
+    ratios: list[float] = []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
+        topic = config.queues["q"].sources[0]
+        ensure_topics(config)
+        produce(bootstrap, topic, n, keys=keys)
+        for run in range(runs):
+            order = ["none", "key"] if run % 2 == 0 else ["key", "none"]  # neither always goes first
+            for ordering in order:
+                queue = config.queues["q"].model_copy(update={"ordering": ordering})
+                variant = config.model_copy(update={"queues": {"q": queue}})
+                rate, _ = await happy_variant(regrouped(variant, f"o{run}-{ordering}"), "sync", n)
+                rates[ordering].append(rate)
+            ratios.append(rates["key"][-1] / rates["none"][-1])
+    record("per-key ordering overhead on the happy path (ordering: key vs none)", [
+        f"records: {n} x 1 KB, {keys} distinct keys in turn, {PARTITIONS} partitions; {runs} runs, each: the bridge "
+        "(production defaults, changelog on, sync ok handler, nothing fails) with ordering none and key, in a fresh "
+        "group each, alternating which goes first",
+        f"ordering: none {_spread(rates['none'])} records/s; ordering: key {_spread(rates['key'])} records/s",
+        f"ratio key/none min/median/max {_spread(ratios, '.2f')}  (goal >= 0.9)",
+    ])
 
 
 def _spread(values: list[float], fmt: str = ".0f") -> str:
@@ -627,7 +655,7 @@ def produce_paced(bootstrap: str, topic: str, n: int, per_second: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["happy", "bookkeeping", "failure", "dlq", "e2e", "all"])
+    parser.add_argument("which", choices=["happy", "bookkeeping", "failure", "dlq", "e2e", "ordering", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (min/median/max reported)")
     args = parser.parse_args()
@@ -642,6 +670,8 @@ def main() -> None:
             asyncio.run(bench_dlq(bootstrap, args.n or 5_000, args.runs))
         if args.which in ("e2e", "all"):
             asyncio.run(bench_e2e(bootstrap, args.n or 2_000, args.runs))
+        if args.which in ("ordering", "all"):
+            asyncio.run(bench_ordering(bootstrap, args.n or 100_000, args.runs))
 
 
 if __name__ == "__main__":
