@@ -20,6 +20,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from bridge.admin_import import ImportCommands, ReadRange
 from bridge.admin_protocol import (
     BreakerArgs,
+    CancelArgs,
     Command,
     GetArgs,
     ListArgs,
@@ -87,6 +88,7 @@ class AdminCommands:
             "redrive": self.redrives.redrive, "get": self.get, "list": self.list, "purge": self.purge,
             "pause": self.pause, "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
             "breaker": self.breaker, "import": self.imports.run, "skip": self.skip,
+            "cancel": self.cancel,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 
@@ -107,6 +109,10 @@ class AdminCommands:
                         "parked_behind": await self.store.parked_behind(task.order_key)}
         return {"task": {**task.to_json(), "attempts": [a.to_json() for a in task.attempts],
                          "redrives": await self.store.redrives(task.id), **ordering}}
+
+    async def cancel(self, args: CancelArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        running = self.redrives.cancel(args.request_id, f"{cmd.issued_by} (key {cmd.key_id or 'none'})")
+        return {"request_id": args.request_id, "running": running}
 
     async def skip(self, args: SkipArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         """Let a held key go (SPEC §12): its dead head stays DEAD (redrive it later if you like); the key's next

@@ -75,6 +75,8 @@ class AdminSession:
         self._base = base
         self._listening = False
         self._group_size: int | None = None
+        self._sent: set[bytes] = set()  # this session's request ids
+        self._kept: dict[bytes, list[dict[str, Any]]] = {}  # replies read while collecting another request's
 
     def group_size(self) -> int | None:
         """How many bridge instances there are: the members of their consumer group (`kafka.group_id`; the admin
@@ -122,20 +124,27 @@ class AdminSession:
             raise AdminClientError(f"no key {self.key_id!r} in admin.auth.keys")
         request_id, value, headers = encode_command(command, args, self.issued_by, self.admin.auth,
                                                     request_id=request_id, key_id=self.key_id)
+        self._sent.add(request_id.encode())
         self._producer.produce(self.admin.topic, value=value, key=request_id.encode(), headers=cast(Any, headers))
         if self._producer.flush(15) != 0:
             raise AdminClientError(f"could not send the command to {self.admin.topic!r}")
-        replies = Replies(request_id)
+        return self.collect(Replies(request_id), timeout, instances, on_partial)
+
+    def collect(self, replies: Replies, timeout: float = 5.0, instances: int | None = None,
+                on_partial: Callable[[dict[str, Any]], None] | None = None) -> Replies:
+        """Gather the replies to `replies.request_id` (more of them, when called again: e.g. the final answers of
+        a bulk redrive interrupted by Ctrl-C, after its cancel). Replies to other requests of this session read
+        meanwhile are kept for their own `collect`."""
         if instances is None:
             # Done as soon as every instance answered; `timeout` stays the bound (an instance not in the group
             # right now — starting, rebalancing — may still answer within it when the count is unknown).
             instances = self.group_size()
+        wanted = replies.request_id.encode()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (instances is None or len(replies.final) < instances):
-            for msg in self._consumer.consume(100, 0.2):
-                if msg.error() is not None or msg.key() != request_id.encode():
-                    continue
-                body = json.loads(msg.value() or b"{}")
+            kept = self._kept.pop(wanted, [])
+            bodies = kept or [json.loads(m.value() or b"{}") for m in self._read(wanted)]
+            for body in bodies:
                 if body.get("partial"):
                     replies.partial.append(body)
                     if on_partial:
@@ -144,6 +153,19 @@ class AdminSession:
                 else:
                     replies.add_final(body, trust_unverified=self.admin.auth == "none")
         return replies
+
+    def _read(self, wanted: bytes) -> list[Any]:
+        """One poll: the replies to `wanted`; those to this session's other requests are kept."""
+        mine = []
+        for msg in self._consumer.consume(100, 0.2):
+            if msg.error() is not None:
+                continue
+            key = msg.key()
+            if key == wanted:
+                mine.append(msg)
+            elif key in self._sent:
+                self._kept.setdefault(key, []).append(json.loads(msg.value() or b"{}"))
+        return mine
 
     def close(self) -> None:
         self._consumer.close()

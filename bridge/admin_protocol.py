@@ -25,7 +25,7 @@ from bridge.model import Status, parse_rfc3339
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"
 COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker", "import",
-            "skip")
+            "skip", "cancel")
 
 
 class Refused(Exception):
@@ -99,6 +99,12 @@ class RedriveArgs(_Args):
 
 class GetArgs(_Args):
     task_id: str = Field(min_length=1)
+
+
+class CancelArgs(_Args):
+    """Stop a bulk redrive under way (its request id) at its next batch; what it redrove stays redriven."""
+
+    request_id: str = Field(min_length=1, max_length=200)
 
 
 class SkipArgs(_Args):
@@ -175,7 +181,7 @@ class ImportArgs(_Args):
 ARGS: dict[str, type[_Args]] = {
     "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
     "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs, "breaker": BreakerArgs,
-    "import": ImportArgs, "skip": SkipArgs,
+    "import": ImportArgs, "skip": SkipArgs, "cancel": CancelArgs,
 }  # fmt: skip
 
 

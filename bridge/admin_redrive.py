@@ -44,6 +44,15 @@ class RedriveCommands:
         # home of a task re-created from its DLQ record. None: tasks are not homed (no changelog).
         self.partitions = partitions
         self.stopping = stopping  # set when the bridge stops: a bulk redrive ends early and says so
+        self.running: set[str] = set()  # request ids of the bulk redrives under way
+        self.cancelled: dict[str, str] = {}  # request id → who cancelled it
+
+    def cancel(self, request_id: str, by: str) -> bool:
+        """A bulk redrive under way stops at its next batch. True when one with that id runs here."""
+        if request_id not in self.running:
+            return False
+        self.cancelled[request_id] = by
+        return True
 
     def max_redrives(self, queue: str, force: bool) -> int | None:
         """The loop guard of a queue (None: forced, or no such queue here — a task of an unconfigured queue is
@@ -89,7 +98,12 @@ class RedriveCommands:
             return {"dry_run": True, "matched": [i for i, _ in found][:_LISTED], "eligible": eligible[:_LISTED],
                     "count": len(eligible), **told}
         began = time.monotonic()
-        done, interrupted = await self._paced(eligible, rate, guard, cmd, progress)
+        self.running.add(cmd.request_id)
+        try:
+            done, interrupted = await self._paced(eligible, rate, guard, cmd, progress)
+        finally:
+            self.running.discard(cmd.request_id)
+            self.cancelled.pop(cmd.request_id, None)
         seconds = time.monotonic() - began
         return {"dry_run": False, "redriven": done[:_LISTED], "count": len(done), "matched": len(found), **told,
                 "rate": round(len(eligible if not interrupted else done) / seconds, 1) if seconds > 0 else None,
@@ -106,6 +120,8 @@ class RedriveCommands:
         for start in range(0, len(ids), batch):
             if self.stopping.is_set():
                 return done, "the bridge is stopping: the rest stay DEAD (run the redrive again)"
+            if cmd.request_id in self.cancelled:
+                return done, f"cancelled by {self.cancelled[cmd.request_id]}: the rest stay DEAD"
             chunk = ids[start : start + batch]
             done += await self.engine.redrive_many(chunk, cmd.issued_by, cmd.request_id, cmd.key_id, guard)
             handled = start + len(chunk)

@@ -112,7 +112,9 @@ def _cmd_admin(args: argparse.Namespace) -> int:
             from bridge.redrive_cli import BulkRedrive
 
             return BulkRedrive(session, args).run()
-        if args.command == "redrive" and args.from_dlq:
+        if args.command == "redrive" and args.cancel:
+            replies = session.request("cancel", {"request_id": args.cancel}, args.timeout, args.instances).final
+        elif args.command == "redrive" and args.from_dlq:
             replies = _redrive_from_dlq(session, config, args)
         else:
             replies = session.request(args.command, _admin_args(args), args.timeout, args.instances,
@@ -122,7 +124,7 @@ def _cmd_admin(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(replies, indent=2))
     else:
-        print(render(args.command, replies))
+        print(render("cancel" if getattr(args, "cancel", None) else args.command, replies))
     if not replies:
         return 4
     return 0 if all(r.get("ok") for r in replies) else 5
@@ -259,6 +261,8 @@ def _add_admin_verbs(sub: Any) -> None:
     target.add_argument("--task", help="a task id")
     target.add_argument("--queue", help="every DEAD task of a queue matching the filters")
     target.add_argument("--from-dlq", help="topic/partition/offset of a DLQ record (works after a purge)")
+    target.add_argument("--cancel", metavar="REQUEST_ID", help="stop a bulk redrive under way on every instance "
+                        "(Ctrl-C on the redrive does this too); what it redrove stays redriven")
     redrive.add_argument("--error-type", help="the dead reason's type, module-qualified or by class name alone "
                          "(TransientError matches handlers.examples.TransientError)")
     redrive.add_argument("--since", help="dead since (RFC 3339)")

@@ -15,9 +15,11 @@ import argparse
 import json
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from bridge.admin_client import Replies
 from bridge.admin_protocol import MAX_REDRIVE_RATE
 
 DEFAULT_RATE = 100.0  # tasks/s for the whole group (the bridge's own default is per instance: the same number)
@@ -27,6 +29,9 @@ CANARY_FAILED = 6  # exit code: the canary's success ratio was below --canary-mi
 class Session(Protocol):
     def request(self, command: str, args: dict[str, Any], timeout: float = 5.0, instances: int | None = None,
                 on_partial: Any = None, request_id: str | None = None) -> Any: ...
+
+    def collect(self, replies: Replies, timeout: float = 5.0, instances: int | None = None,
+                on_partial: Any = None) -> Replies: ...
 
 
 def filters_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -192,8 +197,19 @@ class BulkRedrive:
         progress = Progress(self.err, totals=dict(counts)) if self.err.isatty() and not self.args.json else None
         payload = {**filters, "limit": limit, "shares": shares_for(counts, self.args.rate),
                    **({"exclude": canary_ids} if canary_ids else {})}
-        sent = self._ask("redrive", payload, on_partial=progress)
-        self.report["request_id"] = sent.request_id
+        request_id = str(uuid.uuid4())
+        self.report["request_id"] = request_id
+        self._say(f"redriving {sum(counts.values())} tasks at {self.args.rate:g}/s (request {request_id}; Ctrl-C or "
+                  f"`rdq redrive --cancel {request_id}` stops it on every instance)")
+        try:
+            sent = self.session.request("redrive", payload, self.args.timeout, self.args.instances,
+                                        on_partial=progress, request_id=request_id)
+        except KeyboardInterrupt:
+            # Ctrl-C stops the redrive on every instance (at its next batch), not only this command.
+            self._say(f"\ncancelling redrive {request_id}: every instance stops at its next batch…")
+            self._ask("cancel", {"request_id": request_id})
+            sent = self.session.collect(Replies(request_id), self.args.timeout, self.args.instances)
+            self.report["cancelled"] = True
         final: list[dict[str, Any]] = sent.final
         if progress is not None:
             progress.end()

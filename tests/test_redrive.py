@@ -137,6 +137,19 @@ async def test_a_bulk_redrive_ends_early_when_the_bridge_stops(rig: tuple[AdminC
     assert (await store.counts())["q"]["DEAD"] == 400 - result["count"]
 
 
+async def test_a_bulk_redrive_stops_at_its_next_batch_when_cancelled(rig: tuple[AdminCommands, Store, Path]) -> None:
+    commands, store, _ = rig
+    await _dead(store, 400)
+    assert not commands.redrives.cancel("r-1", "sre")  # nothing under way yet
+    running = asyncio.create_task(_run(commands, _cmd("r-1", queue="q", limit=1000, rate=200)))
+    await asyncio.sleep(0.5)
+    assert commands.redrives.cancel("r-1", "sre@host (key k1)")
+    result = await asyncio.wait_for(running, 2)
+    assert 50 <= result["count"] < 400 and result["interrupted"].startswith("cancelled by sre@host (key k1)")
+    assert (await store.counts())["q"]["DEAD"] == 400 - result["count"]
+    assert commands.redrives.running == set() and commands.redrives.cancelled == {}
+
+
 async def _noop(update: dict[str, Any]) -> None:
     return None
 

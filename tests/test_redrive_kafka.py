@@ -8,11 +8,13 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bridge.admin_client import AdminSession, Replies
 from bridge.config import BridgeConfig
 from bridge.service import Bridge
 from tests.conftest import KafkaEnv
@@ -110,3 +112,42 @@ async def test_the_canary_stops_a_failing_redrive_and_lets_a_passing_one_go_on_b
         assert code == 0, err
         assert out["summary"]["redriven"] == 5 and out["summary"]["refused"] == 0
         await until_counts(bridge, SUCCEEDED=30)
+
+
+async def test_a_bulk_redrive_is_cancelled_through_the_admin_topic_and_its_answer_still_reaches_the_cli(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """What Ctrl-C on `rdq redrive --queue` does: a `cancel` of its request id; the redrive's own final answer, read
+    while the session waited for the cancel's, is kept for it (the session's other requests' replies are not
+    dropped)."""
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                          "breaker": {"enabled": False}}})
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", [(f"k{i}".encode(), b"{}", []) for i in range(300)])
+        await until_counts(bridge, DEAD=300)
+
+        def redrive_then_cancel() -> tuple[Any, Any]:
+            session = AdminSession(config, issued_by="sre@test")
+            try:
+                request_id = str(uuid.uuid4())
+                early = session.request("redrive", {"queue": "q", "limit": 1000, "rate": 50}, timeout=0.5,
+                                        instances=1, request_id=request_id)
+                assert early.final == []  # still running
+                [cancelled] = session.request("cancel", {"request_id": request_id}, timeout=30, instances=1).final
+                final = session.collect(Replies(request_id), timeout=30, instances=1)
+                return cancelled, final
+            finally:
+                session.close()
+
+        cancelled, final = await asyncio.to_thread(redrive_then_cancel)
+        assert cancelled["ok"] and cancelled["result"]["running"]
+        [reply] = final.final
+        assert reply["result"]["interrupted"].startswith("cancelled by sre@test")
+        assert 0 < reply["result"]["count"] < 300
+        counts = await counts_of(bridge)
+        assert counts.get("DEAD", 0) + counts.get("PENDING", 0) + counts.get("IN_FLIGHT", 0) \
+            + counts.get("SUCCEEDED", 0) == 300
+
+
+async def counts_of(bridge: Bridge) -> dict[str, int]:
+    return (await bridge.store.counts()).get("q", {})
