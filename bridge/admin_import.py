@@ -79,10 +79,7 @@ class ImportCommands:
     def _home_for(self, task: Task) -> tuple[str, int] | None:
         queue = self.engine.config.queue(task.queue)
         source = task.home
-        partitions = self.redrives.partitions
-        assert partitions is not None
-        if source is not None and queue is not None and source[0] in queue.sources \
-                and source[1] < (partitions(source[0]) or 0):
-            return source
+        if source is not None and queue is not None and source[0] in queue.sources:
+            return self.redrives.home_for(task)
         return self.redrives.home_by_key(task)
 

@@ -50,13 +50,18 @@ log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
 
 
+def order_fields(record: SourceRecord, queue: QueueConfig) -> dict[str, Any]:
+    """A record's place in its key's order (ordering: key)."""
+    return {"order_key": order_key_of(record.topic, record.partition, record.key), "order_seq": record.offset,
+            "order_hold": queue.on_dead == "hold"}
+
+
 def ordered(task: NewTask, record: SourceRecord, queue: QueueConfig) -> NewTask:
     """A first delivery's task with its place in its key's order (ordering: key; a record without a key has none:
     each is its own key)."""
     if queue.ordering != "key" or record.key is None:
         return task
-    return dataclasses.replace(task, order_key=order_key_of(record.topic, record.partition, record.key),
-                               order_seq=record.offset, order_hold=queue.on_dead == "hold")
+    return dataclasses.replace(task, **order_fields(record, queue))
 
 
 @dataclass(frozen=True)
@@ -285,12 +290,9 @@ class FirstDelivery:
         """A record of a key held back by an open task (ordering: key): stored PARKED behind it, its handler not
         run, no attempt spent (SPEC §12). The store makes it PENDING, due now, if the key has no open task by
         then."""
-        task = NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
+        return NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
                        headers=record.task_headers(), status=Status.PARKED, created_at=self.clock.now_ms(),
-                       first_attempt=None, payload_content_type=record.content_type,
-                       order_key=order_key_of(record.topic, record.partition, record.key), order_seq=record.offset,
-                       order_hold=queue.on_dead == "hold")
-        return task
+                       first_attempt=None, payload_content_type=record.content_type, **order_fields(record, queue))
 
     def count(self, queue_name: str, results: list[Ran]) -> None:
         """The attempt metrics of a batch of results (one lock, not one per record)."""

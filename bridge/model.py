@@ -216,7 +216,7 @@ class Task:
         return home_of(self.headers)
 
     @classmethod
-    def from_row(cls, row: Row, attempts: tuple[Attempt, ...] = ()) -> Task:
+    def from_row(cls, row: Row, attempts: tuple[Attempt, ...] = (), parked_behind: int = 0) -> Task:
         reason = None
         if row["dead_reason_type"] is not None:
             reason = ErrorInfo(row["dead_reason_type"], row["dead_reason_message"] or "")
@@ -233,7 +233,7 @@ class Task:
             dlq_partition=row["dlq_partition"], dlq_offset=row["dlq_offset"], attempts=attempts,
             dlq_failures=row["dlq_failures"], order_key=_column(row, "order_key"),
             order_seq=_column(row, "order_seq"), order_hold=bool(_column(row, "order_hold")),
-            parked_behind=_column(row, "parked_behind") or 0,
+            parked_behind=parked_behind,
         )  # fmt: skip
 
     @classmethod
@@ -286,7 +286,8 @@ class Task:
 
 
 def _column(row: Row, name: str) -> Any:
-    """A column that rows read before its migration do not have."""
+    """A column that rows read before its migration do not have (a store file of an older bridge, read by
+    `rdq store`): found at once on a current store."""
     try:
         return row[name]
     except (KeyError, IndexError):

@@ -605,7 +605,7 @@ class Store:
         def read(conn: sqlite3.Connection) -> list[Task]:
             rows = dict_rows(conn.execute(q("dlq_outbox"), params))
             attempts = self._attempts_of_many(conn, [r["id"] for r in rows])
-            return [Task.from_row(r, attempts.get(r["id"], ())) for r in rows]
+            return [Task.from_row(r, attempts.get(r["id"], ()), r["parked_behind"]) for r in rows]
 
         # On the reader connection: on the writer's it waited behind the "published" marks of the batch before
         # (71% of the publisher's time, bench_kafka dlq). Safe: an entry leaves the publisher's pending set only
