@@ -191,10 +191,10 @@ async def open_bridge(config: BridgeConfig, registry: Registry, config_path: Pat
         topics = await changelog_topics(config, stop or asyncio.Event()) if config.store.changelog else None
         if topics is not None:
             await LocalIndex(store).set_changelogged(topics)
+        return Bridge(config, store, registry, config_path, instance_id, telemetry, changelog_topics=topics)
     except BaseException:
-        await store.close()
+        await store.close()  # its threads would keep a failed start from exiting
         raise
-    return Bridge(config, store, registry, config_path, instance_id, telemetry, changelog_topics=topics)
 
 
 async def changelog_topics(config: BridgeConfig, stop: asyncio.Event) -> dict[str, str]:

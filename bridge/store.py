@@ -156,9 +156,10 @@ class Store:
         store = cls(db, path, group_commit_max, scoped)
         try:
             await store._in_thread(store._prepare, synchronous, busy_timeout)
-        except (sqlite3.Error, StoreError) as e:
+        except Exception as e:  # also a broken install (no migrations folder): never leave the thread running
             await db.close()
-            raise StoreError(f"{path}: {e}") from e
+            raise StoreError(f"{path}: {type(e).__name__}: {e}" if not isinstance(e, (sqlite3.Error, StoreError))
+                             else f"{path}: {e}") from e
         try:
             store._reader = await aiosqlite.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=busy_timeout)
             store._reader.row_factory = sqlite3.Row
