@@ -43,7 +43,7 @@ def parse_duration(value: Any) -> Any:
     if isinstance(value, str):
         match = _DURATION.match(value)
         if match is None:
-            raise ValueError(f"not a duration: {value!r} (use seconds or e.g. 250ms, 30s, 10m, 2h, 7d)")
+            raise ValueError("not a duration (use seconds or e.g. 250ms, 30s, 10m, 2h, 7d)")
         return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
     return value
 
@@ -246,7 +246,7 @@ class WorkersConfig(_Model):
     def _addresses(self) -> WorkersConfig:
         for address in self.listen:
             if not (address.startswith("tcp://") or address.startswith("unix://")):
-                raise ValueError(f"listen address {address!r} must start with tcp:// or unix://")
+                raise ValueError("a listen address must start with tcp:// or unix://")
         return self
 
 
@@ -259,7 +259,8 @@ class AdminAuth(_Model):
     @model_validator(mode="after")
     def _signing_key_known(self) -> AdminAuth:
         if self.signing_key is not None and self.signing_key not in self.keys:
-            raise ValueError(f"signing_key {self.signing_key!r} is not one of keys")
+            # Its value is not shown: a key pasted here by mistake is a secret.
+            raise ValueError(f"signing_key names no key of keys (its ids: {', '.join(map(repr, self.keys))})")
         return self
 
     @model_validator(mode="after")
@@ -390,14 +391,24 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
 _SECRET_PARTS = frozenset({"keys", "tokens", "headers", "client", "consumer", "producer", "auth"})
 
 
+def _got(item: Any, loc: tuple[int | str, ...]) -> str:
+    """What the field held, when it cannot be a secret: a number or a boolean in a known, non-secret field. Never a
+    string (a token typed under a misspelt or misplaced field is still a token), never an unknown field's value."""
+    value = item.get("input")
+    if item["type"] == "extra_forbidden" or any(part in _SECRET_PARTS for part in loc if isinstance(part, str)):
+        return ""
+    if isinstance(value, bool | int | float):
+        return f" (got {value!r})"
+    if isinstance(value, str):
+        return f" (got a string of {len(value)} characters)"
+    return ""
+
+
 def describe_error(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
-    for item in error.errors():
+    for item in error.errors(include_input=True, include_context=False, include_url=False):
         loc = tuple(p for p in item["loc"] if not str(p).startswith(("function-after", "function-before")))
-        secret = any(part in _SECRET_PARTS for part in loc if isinstance(part, str))
-        shown = not secret and not isinstance(item.get("input"), dict | list)
-        got = f" (got {item['input']!r})" if shown else ""
-        lines.append(f"  {_format_loc(loc)}: {item['msg']}{got}")
+        lines.append(f"  {_format_loc(loc)}: {item['msg']}{_got(item, loc)}")
     return "\n".join(lines)
 
 

@@ -170,3 +170,56 @@ def test_the_consumer_refetches_soon_after_its_prefetch_queue_was_full(tmp_path:
         "  group_id: orders-bridge\n",
         "  group_id: orders-bridge\n  consumer: {fetch.queue.backoff.ms: 250}\n")), environ={})
     assert consumer_config(tuned)["fetch.queue.backoff.ms"] == 250
+
+
+TOKEN = "tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    # A typo (`token` for `tokens`): pydantic's own message quoted the unknown field's value.
+    (("", f"workers: {{listen: ['tcp://127.0.0.1:0'], token: '{TOKEN}'}}\n"), "workers.token"),
+    # A secret pasted where a key id belongs.
+    (("auth: {keys: {k1: \"a-shared-secret-of-32-bytes-or-more\"}}",
+      f"auth: {{keys: {{k1: \"a-shared-secret-of-32-bytes-or-more\"}}, signing_key: '{TOKEN}'}}"), "admin.auth"),
+    # A token misplaced into a known field of another type, and into an unknown field of a queue.
+    (("lease: 30s", f"lease: '{TOKEN}'"), "queues['orders.process'].lease"),
+    (("lease: 30s", f"lease: 30s\n    password: '{TOKEN}'"), "queues['orders.process'].password"),
+    (("group_id: orders-bridge", f"group_id: orders-bridge\n  sasl_password: '{TOKEN}'"), "kafka.sasl_password"),
+    (("", f"workers: {{listen: ['{TOKEN}'], tokens: ['x']}}\n"), "workers"),
+])
+def test_no_config_error_prints_the_value_of_a_field(tmp_path: Path, change: tuple[str, str], field: str) -> None:
+    old, new = change
+    text = SPEC_MINIMAL.replace(old, new) if old else SPEC_MINIMAL + new
+    with pytest.raises(ConfigError) as raised:
+        load_config(write(tmp_path, text), environ={})
+    message = str(raised.value)
+    assert field in message and TOKEN not in message, message
+
+
+def test_a_number_in_a_known_field_is_still_shown(tmp_path: Path) -> None:
+    path = write(tmp_path, SPEC_MINIMAL.replace("max_attempts: 4", "max_attempts: 0"))
+    with pytest.raises(ConfigError, match=r"max_attempts: .*greater than or equal to 1 \(got 0\)"):
+        load_config(path, environ={})
+    with pytest.raises(ConfigError, match=r"lease: .*not a duration.*\(got a string of 4 characters\)"):
+        load_config(write(tmp_path, SPEC_MINIMAL.replace("lease: 30s", "lease: soon")), environ={})
+
+
+async def test_neither_the_cli_nor_a_failed_reload_prints_a_misplaced_token(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import subprocess
+    import sys
+
+    from bridge.live_config import LiveConfig
+
+    good = write(tmp_path, SPEC_MINIMAL)
+    live = LiveConfig(load_config(good, environ={}), good)
+    good.write_text(SPEC_MINIMAL + f"workers: {{listen: ['tcp://127.0.0.1:0'], token: '{TOKEN}'}}\n")
+    with caplog.at_level("ERROR"):
+        assert await live.reload() is False
+    assert "config reload failed" in caplog.text and "workers.token" in caplog.text
+    assert TOKEN not in caplog.text
+    for verb in ("check-config", "run"):
+        done = subprocess.run([sys.executable, "-m", "bridge.cli", verb, "--config", str(good)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert "workers.token" in done.stderr and TOKEN not in done.stderr + done.stdout
