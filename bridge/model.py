@@ -308,6 +308,16 @@ def order_key_of(topic: str, partition: int, key: bytes | None) -> str | None:
     return f"{topic}/{partition}/{base64.b64encode(key).decode('ascii')}"
 
 
+def key_of_order_key(order_key: str) -> bytes:
+    """The record key an ordering key was made of (order_key_of's inverse). A topic name has no `/` and a partition
+    is a number, so the key's base64 is everything after the second `/` (base64 itself holds `/` for about 30% of
+    random 16-byte keys: never split from the right)."""
+    parts = order_key.split("/", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise ValueError(f"not an ordering key: {order_key[:120]!r}")
+    return base64.b64decode(parts[2], validate=True)
+
+
 @dataclass(frozen=True)
 class NewTask:
     """A first-delivery failure to store: PENDING (retry due at next_attempt_at) or DEAD (dead-letter now)."""

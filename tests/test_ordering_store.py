@@ -7,9 +7,11 @@ import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
-from bridge.model import ErrorInfo, NewTask, Outcome, Status, order_key_of
+from bridge.model import ErrorInfo, NewTask, Outcome, Status, key_of_order_key, order_key_of
 from bridge.store import Store
 from tests.helpers import T0, failure, report
 
@@ -138,3 +140,10 @@ async def test_a_redelivered_record_older_than_its_keys_task_is_not_parked_again
     ran_before = await store.submit(parked(5))
     assert await store.get(ran_before) is None and await status(store, later) == ["PENDING"]
     assert await status(store, await store.submit(parked(11))) == ["PARKED"]
+
+
+@hypothesis.given(topic=st.from_regex(r"[a-zA-Z0-9._-]{1,40}", fullmatch=True), partition=st.integers(0, 10_000),
+                  key=st.binary(max_size=64))
+def test_an_ordering_key_gives_back_its_record_key(topic: str, partition: int, key: bytes) -> None:
+    order_key = order_key_of(topic, partition, key)
+    assert order_key is not None and key_of_order_key(order_key) == key
