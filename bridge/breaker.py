@@ -114,6 +114,11 @@ class Breaker:
             return self._open(f"a probe failed ({outcome.value})", escalate=True)
         return self._close(f"a probe ended {outcome.value}")
 
+    def probe_void(self) -> None:
+        """A probe that ended without a verdict (its lease lost, handed back, cancelled): its slot is free for the
+        next probe; the breaker stays where it is."""
+        self.probes_out = max(0, self.probes_out - 1)
+
     # ---- what the scheduler and the consumer ask --------------------------------------------------------
 
     def holds(self) -> bool:

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _MAX_IDLE = 1.0
 
 
+PROBE_NOTE = "a circuit-breaker probe during an outage: not counted against max_attempts"
+
+
 @dataclass
 class _Execution:
     task: Task
@@ -42,6 +45,7 @@ class _Execution:
     started: bool = False  # holds a handler slot (claimed ahead, it may wait for one first)
     recording: bool = False  # the handler returned; its outcome is being written (it holds no slot)
     probe: bool = False  # claimed by a half-open circuit breaker: its outcome decides the breaker
+    probe_open: bool = False  # a probe not yet ended: it holds one of the breaker's probe slots
 
 
 class Scheduler:
@@ -202,7 +206,7 @@ class Scheduler:
 
     def _start(self, tasks: list[Task], probe: bool = False) -> int:
         for task in tasks:
-            execution = _Execution(task, probe=probe)
+            execution = _Execution(task, probe=probe, probe_open=probe)
             self._running[task.id] = execution
             execution.runner = asyncio.create_task(self._execute(execution), name=f"rdq-task-{task.id}")
         return len(tasks)
@@ -221,9 +225,7 @@ class Scheduler:
             log.exception("scheduler error", extra={"task_id": task.id, "queue": task.queue})
         finally:
             self._running.pop(task.id, None)
-            if execution.probe and not execution.recording:  # handed back, or failed before its outcome
-                breaker = self.breakers.of(task.queue)
-                breaker.probes_out = max(0, breaker.probes_out - 1)
+            self._end_probe(execution, None)  # handed back, abandoned, cancelled, failed to record: no verdict
             execution.done.set()
             self._free_slot(task.queue)
 
@@ -279,7 +281,22 @@ class Scheduler:
         self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
         execution.recording = True
         self._free_slot(task.queue)
+        if execution.probe:  # its verdict first: a lease lost gives none, and the slot is freed either way
+            self._end_probe(execution, None if result.lease_lost else result.outcome)
         await self.record(task, queue, started, result, probe=execution.probe)
+
+    def _end_probe(self, execution: _Execution, outcome: Outcome | None) -> None:
+        """Every way a probe ends ends it once: with its outcome (success closes, a retryable failure re-opens),
+        or with none (lease lost, handed back, cancelled, hand-over) — then its slot goes to the next probe."""
+        if not execution.probe_open:
+            return
+        execution.probe_open = False
+        breaker = self.breakers.of(execution.task.queue)
+        if outcome is None:
+            breaker.probe_void()
+            self.wake(execution.task.queue)
+        else:
+            self.breakers.report(breaker.probe_result(outcome))
 
     def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:
         """Why the task must not run here at all: no such handler, or a version pin this handler does not meet.
@@ -338,15 +355,14 @@ class Scheduler:
     async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
                      worker: str | None = None, probe: bool = False) -> Result:
         """Record an attempt's outcome under the task's lease token (also for remote workers' results)."""
-        if not result.lease_lost:  # an abandoned attempt's outcome says nothing of the downstream
-            breaker = self.breakers.of(task.queue)
-            if probe:
-                self.breakers.report(breaker.probe_result(result.outcome))
-            else:
-                self.breakers.record(task.queue, [result.outcome])
+        if not result.lease_lost and not probe:  # an abandoned attempt's outcome says nothing of the downstream
+            self.breakers.record(task.queue, [result.outcome])
         now = self.clock.now_ms()
-        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id,
-                           note=self._breaker_note(task, started))
+        # A probe's retryable failure is the outage's, not the task's (SPEC §11: no attempt is spent): kept in the
+        # history, not counted against max_attempts (the task's next attempt has the same number).
+        spared = probe and result.outcome == Outcome.RETRYABLE_FAILURE and not result.lease_lost
+        note = PROBE_NOTE if spared else self._breaker_note(task, started)
+        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id, note=note)
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
         if result.ok:
             outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
@@ -357,13 +373,14 @@ class Scheduler:
         elif result.lease_lost and result.outcome != Outcome.SUCCESS:
             return Result(False)  # abandoned after losing the lease: the task's holder now records its outcome
         else:
-            decision = decide(queue, result.outcome, task.attempt_count, result.requested_delay, self.rand)
+            counted = task.attempt_count - 1 if spared else task.attempt_count
+            decision = decide(queue, result.outcome, counted, result.requested_delay, self.rand)
             if decision.retry_after is None:
                 assert result.error is not None
                 outcome = await self._finish_dead(task, report, result.error)
             else:
                 next_at = now + int(decision.retry_after * 1000)
-                outcome = await self.store.record_retry(task.id, task.lease_token, report, next_at)
+                outcome = await self.store.record_retry(task.id, task.lease_token, report, next_at, counted=not spared)
                 if outcome.accepted and decision.retry_after == 0:
                     self.wake(task.queue)
         if not outcome.accepted:

@@ -409,9 +409,13 @@ class Store:
 
         return await self._submit(finish)
 
-    async def record_retry(self, task_id: str, token: int, report: RunReport, next_attempt_at: int) -> Result:
+    async def record_retry(self, task_id: str, token: int, report: RunReport, next_attempt_at: int,
+                           counted: bool = True) -> Result:
+        """PENDING again at `next_attempt_at`. `counted=False`: the attempt is kept in the history but gives its
+        number back (a circuit-breaker probe's failure during an outage, SPEC §11)."""
         params = {"id": task_id, "token": token, "next_attempt_at": next_attempt_at}
-        return await self._submit(self._transition("reschedule", params, task_id, report, Status.PENDING))
+        query = "reschedule" if counted else "reschedule_uncounted"
+        return await self._submit(self._transition(query, params, task_id, report, Status.PENDING))
 
     async def record_dead(self, task_id: str, token: int, report: RunReport, reason: ErrorInfo) -> Result:
         params = {"id": task_id, "token": token, "now": report.finished_at,

@@ -114,6 +114,33 @@ async def test_an_outage_is_held_and_no_record_reaches_the_dlq(kafka: KafkaEnv, 
     assert len(noted) >= len(tasks) * 9 // 10, (len(noted), len(tasks))
 
 
+async def test_a_long_outage_with_two_attempts_puts_nothing_in_the_dlq(kafka: KafkaEnv, tmp_path: Path,
+                                                                        unique: str, downstream: Downstream) -> None:
+    """max_attempts: 2 (a first delivery and one retry) and an outage of many half-open rounds: each probe is a
+    real request, yet its retryable failure spends no attempt (SPEC §11). Before, every failed probe dead-lettered
+    its task while the downstream was down."""
+    from bridge.scheduler import PROBE_NOTE
+
+    config = config_for(kafka, tmp_path, unique, downstream.port, max_attempts=2,
+                        breaker={**BREAKER, "max_open_for": "1s"})
+    topic = f"in-{unique}"
+    downstream.down = True
+    async with running_bridge(config) as bridge:
+        breaker = bridge.engine.scheduler.breakers.of("q")
+        produce(config, topic, [(None, json.dumps({"n": i}).encode(), []) for i in range(300)])
+        await wait_until(lambda: breaker.state == State.OPEN, within=60, what="the breaker to open")
+        await asyncio.sleep(10)  # about ten half-open rounds, each probe failing
+        probes = transitions(bridge).get("half-open", 0)
+        downstream.down = False
+        await wait_until(lambda: len(downstream.succeeded) == 300, within=120, what="every record to succeed")
+        tasks = [await bridge.store.get(t.id) for t in await bridge.store.list_tasks("q", limit=1000)]
+    assert probes >= 5, transitions
+    assert await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", settle=1.0) == []
+    spared = [a for t in tasks if t is not None for a in t.attempts if a.note == PROBE_NOTE]
+    assert len(spared) >= probes - 1  # the probes that failed are in the histories
+    assert all(t is not None and t.status == "SUCCEEDED" for t in tasks)
+
+
 async def test_poison_records_in_a_healthy_stream_never_open_it(kafka: KafkaEnv, tmp_path: Path, unique: str,
                                                                 downstream: Downstream) -> None:
     """1 in 50 records fails for good, 1 in 50 retryably for ever: the breaker stays closed and they reach the DLQ

@@ -34,6 +34,7 @@ class Harness:
         self.stop = asyncio.Event()
         self.runner: asyncio.Task[None] | None = None
         self.store: Store | None = None
+        self.side: asyncio.Task[None] | None = None  # e.g. the breakers' clock
 
     async def start(self, **queues: dict[str, Any]) -> Engine:
         config = engine_config(str(self.tmp_path / "rdq.db"), **queues)
@@ -68,6 +69,8 @@ class Harness:
         self.stop.set()
         if self.runner is not None:
             await self.runner
+        if self.side is not None:
+            await self.side
         if self.engine is not None:
             self.engine.close()
         if self.store is not None:
@@ -526,3 +529,85 @@ async def test_a_reload_reads_the_file_off_the_event_loop(h: Harness, monkeypatc
     monkeypatch.setattr(bridge.live_config, "load_config", load)
     assert await engine.config.reload()
     assert readers and readers[0] != threading.main_thread().name
+
+
+PROBING = {"breaker": {"window": "5s", "min_attempts": 5, "open_for": "100ms", "max_open_for": "200ms",
+                       "reset_after": "1s", "probes": 1, "ramp": "0s"}}
+
+
+async def _trip(h: Harness, queue: str = "q") -> Any:
+    """Trip the queue's breaker through the scheduler's own accounting (as 5 failed attempts would), with its
+    clock running as in a bridge (open → half-open after open_for)."""
+    from bridge.breaker import State
+
+    assert h.engine is not None
+    breakers = h.engine.scheduler.breakers
+    h.side = asyncio.create_task(breakers.run(h.stop, interval=0.02))
+    breakers.record(queue, [Outcome.RETRYABLE_FAILURE] * 5)
+    breaker = breakers.of(queue)
+    assert breaker.state == State.OPEN
+    return breaker
+
+
+async def test_a_probe_that_loses_its_lease_frees_its_slot_and_the_next_probe_closes_the_breaker(
+        h: Harness) -> None:
+    """A probe abandoned for a lapsed lease ended without a verdict and kept its slot: with probes: 1, the breaker
+    stayed half-open and claimed nothing, for ever (the queue's partitions paused until an operator came)."""
+    from bridge.breaker import State
+
+    released = threading.Event()
+
+    def hangs_once(ctx: HandlerContext) -> None:
+        if ctx.payload == b'{"hang": true}' and ctx.attempt == 2:
+            released.wait(5)  # silent past its 300 ms lease: abandoned, its outcome says nothing
+
+    h.registry.register("h", hangs_once)
+    await h.start(q={"handler": "h", "max_attempts": 5, "lease": "300ms", **FAST, **PROBING})
+    breaker = await _trip(h)
+    hung = await h.submit(handler="h", payload=b'{"hang": true}')
+    fine = await h.submit(handler="h", payload=b"{}", due_in_ms=5)
+    try:
+        await h.wait_status(fine, Status.SUCCEEDED, within=10)
+        assert await eventually(lambda: breaker.state == State.CLOSED, within=5), breaker.status()
+        assert breaker.probes_out == 0
+        outcomes = [a.outcome for a in (await h.wait_status(hung, Status.SUCCEEDED, within=10)).attempts]
+        assert Outcome.LEASE_EXPIRED in outcomes, outcomes
+    finally:
+        released.set()
+
+
+async def test_a_probe_failing_during_an_outage_spends_no_attempt(h: Harness) -> None:
+    """max_attempts: 2 and a downstream down for many probe rounds: each probe's retryable failure is kept in the
+    history with a note, its number given back; nothing dead-letters, and the task succeeds after the outage."""
+    from bridge.breaker import State
+    from bridge.scheduler import PROBE_NOTE
+
+    down = threading.Event()
+    down.set()
+
+    def downstream(ctx: HandlerContext) -> None:
+        if down.is_set():
+            raise ConnectionError("payments API is down")
+
+    h.registry.register("d", downstream)
+    await h.start(q={"handler": "d", "max_attempts": 2, **FAST, **PROBING})
+    breaker = await _trip(h)
+    task_id = await h.submit(handler="d")  # attempt 1 (its first delivery) failed: one attempt left
+    store = h.store
+    assert store is not None
+
+    async def probed(n: int) -> bool:
+        task = await store.get(task_id)
+        return task is not None and sum(a.note == PROBE_NOTE for a in task.attempts) >= n
+
+    deadline = time.monotonic() + 10
+    while not await probed(5):
+        assert time.monotonic() < deadline, await store.get(task_id)
+        await asyncio.sleep(0.05)
+    assert breaker.state != State.CLOSED
+    down.clear()
+    task = await h.wait_status(task_id, Status.SUCCEEDED, within=10)
+    assert h.dead == []
+    probes = [a for a in task.attempts if a.note == PROBE_NOTE]
+    assert len(probes) >= 5 and all(a.outcome == Outcome.RETRYABLE_FAILURE and a.attempt_no == 2 for a in probes)
+    assert task.attempts[-1].outcome == Outcome.SUCCESS and task.attempt_count == 2

@@ -89,6 +89,14 @@ UPDATE tasks
  WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
 RETURNING attempt_count, redrive_count;
 
+-- name: reschedule_uncounted
+-- A half-open probe's retryable failure (SPEC §11): recorded as attempt N (RETURNING), counted as none.
+UPDATE tasks
+   SET version = version + 1, status = 'PENDING', next_attempt_at = :next_attempt_at, lease_expires_at = NULL, lease_owner = NULL,
+       lease_started_at = NULL, attempt_count = attempt_count - 1
+ WHERE id = :id AND lease_token = :token AND status = 'IN_FLIGHT'
+RETURNING attempt_count + 1, redrive_count;
+
 -- name: finish_dead
 UPDATE tasks
    SET version = version + 1, status = 'DEAD', next_attempt_at = NULL, lease_expires_at = NULL, lease_owner = NULL,
