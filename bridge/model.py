@@ -206,6 +206,7 @@ class Task:
     order_seq: int | None = None
     order_hold: bool = False
     parked_behind: int = 0  # records of its key parked behind it, when read with that count (the DLQ outbox)
+    lost_lease: bool = False  # its history has a lapsed lease (set by a claim with the changelog on)
 
     @property
     def source(self) -> str:

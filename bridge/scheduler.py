@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from bridge.breaker import Breaker, Breakers, State
@@ -71,6 +71,9 @@ class Scheduler:
         self._slot_open: dict[str, asyncio.Event] = {}  # for tasks claimed ahead, waiting for a slot (one-shot)
         self._late: set[asyncio.Task[Result]] = set()  # late successes of abandoned sync handlers, being recorded
         self._stopping = False
+        # With the changelog: waits (up to the timeout) until a task's current state is in the changelog; True
+        # once it is. A task that lost a lease before has its claim logged before its handler runs (below).
+        self.claim_logged: Callable[[Task, float], Awaitable[bool]] | None = None
 
     # ---- the loop --------------------------------------------------------------------------------------
 
@@ -266,6 +269,8 @@ class Scheduler:
             await self._finish_dead(task, report, refusal)
             return
         assert handler is not None
+        if task.lost_lease and self.claim_logged is not None and not await self._claim_logged(task, queue):
+            return
         ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
                              task.payload_content_type, task.headers)
         execution.ctx = ctx
@@ -297,6 +302,19 @@ class Scheduler:
             self.wake(execution.task.queue)
         else:
             self.breakers.report(breaker.probe_result(outcome))
+
+    async def _claim_logged(self, task: Task, queue: QueueConfig) -> bool:
+        """A task that already lost a lease may be a poison pill that kills the process: its claim goes into the
+        changelog before it runs, so that even on a new disk the restore sees the claim, the sweep counts the
+        lapse and the pill reaches the DLQ within max_attempts crashes. Not logged within half its lease (the
+        broker down?): handed back uncounted, to try again."""
+        assert self.claim_logged is not None
+        if await self.claim_logged(task, queue.lease / 2):
+            return True
+        log.warning("its claim could not be logged in time; handed back", extra={"task_id": task.id,
+                                                                                "queue": task.queue})
+        await self.store.release(task.id, task.lease_token, self.clock.now_ms())
+        return False
 
     def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:
         """Why the task must not run here at all: no such handler, or a version pin this handler does not meet.

@@ -141,6 +141,7 @@ class Bridge:
                                  lambda: self.consumer.group_metadata(), self.engine.clock,
                                  config.store.changelog_commit_interval, self.telemetry,
                                  lambda: self.consumer.writable())
+        self.engine.scheduler.claim_logged = lambda task, timeout: writer.logged(task.id, timeout)
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
                             lambda: make_restore_consumer(config, instance, committed_only=False))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -374,9 +375,18 @@ class Store:
     async def claim_due(self, queue: str, limit: int, lease: float, owner: str, now: int) -> list[Task]:
         params = {"queue": queue, "limit": limit, "lease_ms": _ms(lease), "owner": owner, "now": now,
                   "scoped": self.scoped}
-        rows = await self._submit(lambda c: c.execute(q("claim_due"), params).fetchall())
+        def claim(conn: sqlite3.Connection) -> tuple[list[Any], set[str]]:
+            rows = conn.execute(q("claim_due"), params).fetchall()
+            if not rows or not self.scoped:
+                return rows, set()
+            ids = {"ids": json.dumps([r["id"] for r in rows])}
+            return rows, {r[0] for r in conn.execute(q("lost_a_lease"), ids)}
+
+        rows, lost = await self._submit(claim)
+        tasks = (Task.from_row(r) for r in rows)
+        tasks = (dataclasses.replace(t, lost_lease=True) if t.id in lost else t for t in tasks)
         # RETURNING order is unspecified: start the longest overdue first.
-        return sorted((Task.from_row(r) for r in rows), key=lambda t: (t.next_attempt_at or 0, t.id))
+        return sorted(tasks, key=lambda t: (t.next_attempt_at or 0, t.id))
 
     async def next_due_at(self, queue: str) -> int | None:
         return await self._read(lambda c: c.execute(q("next_due_at"), {"queue": queue}).fetchone()[0])

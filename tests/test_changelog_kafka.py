@@ -169,6 +169,59 @@ def test_a_lost_disk_loses_no_task_and_keeps_attempts_counted(kafka: Any, tmp_pa
         b.kill()
 
 
+def _crash_until_dead(config: BridgeConfig, tmp_path: Path, unique: str, lose_disk_from: int | None,
+                      starts: int) -> tuple[int, list[Any]]:
+    """Start the bridge again each time the `crash` handler killed it (SIGKILL, as an OOM kill would) until the
+    record is in the DLQ; from start `lose_disk_from` on, each start gets an empty store. Returns the starts."""
+    log = tmp_path / "example.log"
+    bridge = instance(config, tmp_path, "a", log)
+    store_dir = tmp_path / "a"
+    try:
+        for n in range(1, starts + 1):
+            if lose_disk_from is not None and n >= lose_disk_from:
+                for leftover in store_dir.iterdir():
+                    leftover.unlink()
+            bridge.start()
+            deadline = time.monotonic() + 60
+            while bridge.alive and time.monotonic() < deadline:
+                if read_dlq(kafka_servers(config), f"dlq-{unique}", settle=0.5, timeout=2):
+                    return n, read_dlq(kafka_servers(config), f"dlq-{unique}", expect=1)
+                time.sleep(0.5)
+            assert not bridge.alive, f"start {n}: neither crashed nor dead-lettered in 60 s:\n{bridge.tail()}"
+            assert bridge.proc.returncode == -signal.SIGKILL, bridge.tail()
+        return starts + 1, read_dlq(kafka_servers(config), f"dlq-{unique}", settle=0.5, timeout=2)
+    finally:
+        bridge.kill()
+
+
+def kafka_servers(config: BridgeConfig) -> str:
+    return config.kafka.bootstrap_servers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", ["kept", "lost"])
+def test_a_poison_pill_that_kills_the_process_reaches_the_dlq_within_max_attempts(kafka: Any, tmp_path: Path,
+                                                                                  disk: str) -> None:
+    """The `crash` handler SIGKILLs its bridge on every attempt; max_attempts 3. Each restart must count the
+    attempt that killed the last process (seed 004: LEASE_EXPIRED counts against max_attempts). It once never
+    reached the DLQ: the claim was in SQLite, not yet in the changelog, and the restore let the changelog's older
+    PENDING win. On one disk: the first delivery (in-flight journal), then two claims: DEAD at the 4th start. With
+    the disk lost at every start once a lapse is logged, a claim after a lost lease is logged before the handler
+    runs, so each start still counts one."""
+    unique = uuid.uuid4().hex[:10]
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "crash", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}", "max_attempts": 3,
+              "lease": "2s", "backoff": {"kind": "fixed", "base": "100ms"}, "breaker": {"enabled": False}}},
+        kafka={"topic_partitions": 1})
+    ensure_topics(config)
+    produce(config, f"in-{unique}", [(b"pill", b"{}", [])])
+    starts, dead = _crash_until_dead(config, tmp_path, unique, 3 if disk == "lost" else None, starts=8)
+    assert len(dead) == 1 and dead[0].key == b"pill", dead
+    outcomes = [a["outcome"] for a in dead[0].value["attempts"]]
+    assert outcomes == ["LEASE_EXPIRED"] * 3, outcomes
+    assert starts <= 4, starts
+
+
 @pytest.mark.slow
 def test_rolling_restart_onto_fresh_volumes_loses_nothing(kafka: Any, tmp_path: Path) -> None:
     """3 bridges restarted one after the other, each onto a new empty store directory, while records flow (a

@@ -191,6 +191,49 @@ async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tm
         await b.close()
 
 
+async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path: Path) -> None:
+    """The poison pill and changelog case: a task logged PENDING (version 1), then claimed here (version 2, not yet
+    logged: the handler killed the process first). At the restart the changelog's older PENDING must not win:
+    the claim stays, its lease lapses and the sweep counts it (LEASE_EXPIRED) against max_attempts. A changelog
+    record of a higher version (another owner moved the task on) still wins, and so does one at a tie."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        task, other, tie = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
+        for t in (task, other, tie):
+            await store.submit(t)
+        logged = {e.task_id: e for e in await local.outbox(10)}
+        await local.mark_logged(logged.values())
+        claimed = await store.claim_due("q", 10, 1, "me", T0)
+        assert {t.id for t in claimed} == {task.id, other.id, tie.id}
+        by_id = {e.task_id: e for e in await local.outbox(10)}
+        assert by_id[task.id].version == 2
+        # Elsewhere, `other` went on to version 3 (its claim there and a success); `tie` to a version 2 of its own.
+        elsewhere = json.loads(by_id[other.id].value or b"")
+        elsewhere["version"] = 3
+        elsewhere["task"].update(status="SUCCEEDED", finished_at=T0 + 5, lease_expires_at=None, lease_owner=None,
+                                 lease_started_at=None, next_attempt_at=None)
+        await local.set_home(HOME, None)  # the restart: not this instance's until restored
+        records = [(0, task.id.encode(), logged[task.id].value), (1, other.id.encode(), logged[other.id].value),
+                   (2, other.id.encode(), json.dumps(elsewhere).encode()),
+                   (3, tie.id.encode(), by_id[tie.id].value.replace(b'"me"', b'"them"'))]  # type: ignore[union-attr]
+        seen: set[str] = set()
+        existing = await local.home_ids(HOME)
+        await local.restore_batch(HOME, "cl", records, seen, T0, [], existing)
+        assert await local.restore_finish(HOME, seen) == 0
+        kept = await store.get(task.id)
+        assert kept is not None and kept.status == Status.IN_FLIGHT and kept.lease_owner == "me"
+        moved = await store.get(other.id)
+        assert moved is not None and moved.status == Status.SUCCEEDED
+        tied = await store.get(tie.id)
+        assert tied is not None and tied.lease_owner == "them"
+        await local.set_home(HOME, "active")
+        assert [e.task_id for e in await local.outbox(10)] == [task.id]  # the kept claim is logged now
+        assert task.id in {row["id"] for row in await store.lapsed_leases(T0 + 2000)}  # the sweep counts it
+    finally:
+        await store.close()
+
+
 def test_decode_refuses_what_it_cannot_read() -> None:
     good = {"schema": SCHEMA, "version": 1, "attempts": [], "redrives": [], "task": {
         "id": "T1", "queue": "q", "handler_ref": "h", "status": "PENDING", "attempt_count": 0, "redrive_count": 0,

@@ -199,7 +199,15 @@ class LocalIndex:
 
     def _replace(self, conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> None:
         """`known`: the tasks this file may hold (found at the start of the restore, or restored since); the
-        others are new here: nothing to delete first."""
+        others are new here: nothing to delete first.
+
+        The higher version wins, the changelog's at a tie: a transition this file made and the changelog never
+        acknowledged (a claim written just before the handler killed the process) is newer than the changelog's
+        state and stays, to be logged now. Letting the changelog's older PENDING win forgot the claim, so the
+        lapsed lease was never counted and a poison pill retried for ever."""
+        newer_here = self._newer_here(conn, last, known)
+        if newer_here:
+            last = {i: r for i, r in last.items() if i not in newer_here}
         ids = [{"id": i} for i in last if i in known]
         conn.executemany(q("delete_attempts"), ids)
         conn.executemany(q("delete_redrives"), ids)
@@ -215,6 +223,15 @@ class LocalIndex:
         conn.executemany(q("restore_task"), [{**r.task, "version": r.version} for r in kept])
         conn.executemany(q("insert_attempt_copy"), [a for r in kept for a in r.attempts])
         conn.executemany(q("restore_insert_redrive"), [x for r in kept for x in r.redrives])
+
+    @staticmethod
+    def _newer_here(conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> set[str]:
+        """Of the restored tasks, those whose local state is of a higher version than their changelog record."""
+        candidates = [i for i, r in last.items() if r is not None and i in known]
+        if not candidates:
+            return set()
+        local = dict(conn.execute(q("versions_of"), {"ids": orjson.dumps(candidates).decode()}).fetchall())
+        return {i for i in candidates if local.get(i, -1) > last[i].version}  # type: ignore[union-attr]
 
     @staticmethod
     def _delete_history(conn: sqlite3.Connection, task_id: str) -> None:

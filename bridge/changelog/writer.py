@@ -115,6 +115,21 @@ class ChangelogWriter:
         """Call `callback` (on the loop) once the task's stored state is in the changelog (or it is gone)."""
         self._waiters.setdefault(task_id, []).append(callback)
 
+    async def logged(self, task_id: str, within: float) -> bool:
+        """Wait until the task's stored state is in the changelog (True), at most `within` seconds (False)."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def resolve() -> None:
+            if not done.done():
+                done.set_result(True)
+
+        self.when_logged(task_id, resolve)
+        self._kick.set()
+        try:
+            return bool(await asyncio.wait_for(done, within))
+        except TimeoutError:
+            return False
+
     def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
                     headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
         """Queue a DLQ record for the next transaction; `on_delivery(err, msg)` once it committed (or failed)."""

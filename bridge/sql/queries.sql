@@ -56,6 +56,11 @@ UPDATE tasks
                ORDER BY next_attempt_at LIMIT :limit)
 RETURNING *;
 
+-- name: lost_a_lease
+-- Of these claimed tasks, those whose history has a lapsed lease (a handler that may kill its process).
+SELECT DISTINCT task_id FROM attempts
+ WHERE task_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'LEASE_EXPIRED';
+
 -- name: next_due_at
 SELECT MIN(next_attempt_at) FROM tasks WHERE queue = :queue AND status = 'PENDING';
 
@@ -440,6 +445,9 @@ SELECT * FROM tasks
 
 -- name: home_drop_tombstones
 DELETE FROM tombstones WHERE home_topic = :topic AND home_partition = :partition;
+
+-- name: versions_of
+SELECT id, version FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 
 -- name: home_task_ids
 SELECT id, logged_version FROM tasks WHERE home_topic = :topic AND home_partition = :partition;
