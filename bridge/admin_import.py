@@ -46,7 +46,12 @@ class ImportCommands:
         out: dict[str, Any] = {"dry_run": args.dry_run, "read": len(messages), "imported": 0, "exists": 0,
                                "elsewhere": 0, "filtered": 0, "formats": {}, "refused": [], "tasks": []}
         for msg in messages:
-            await self._one(DlqRecord.from_message(msg), args, queue.handler, homed, out)
+            record = DlqRecord.from_message(msg)
+            try:
+                await self._one(record, args, queue.handler, homed, out)
+            except Exception as e:  # one record's trouble (its home, the store) never aborts the rest of the range
+                out["refused"].append({"offset": record.offset, "reason": f"not imported: {type(e).__name__}: "
+                                                                          f"{str(e)[:200]}"})
         out["tasks"] = out["tasks"][:_LISTED]
         return out
 

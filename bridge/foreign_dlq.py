@@ -91,16 +91,37 @@ def _text(headers: Headers, name: str) -> str | None:
     return None
 
 
+_INT64 = 2**63 - 1
+_MAX_TIME_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: past it, no date can be written
+# What each number may be: a Kafka partition is an int32, an offset an int64, a delivery count small.
+_RANGES = {"partition": (0, 2**31 - 1), "offset": (0, _INT64), "timestamp": (0, _MAX_TIME_MS),
+           "delivery.count": (0, 2**31 - 1)}
+
+
 def _number(headers: Headers, name: str) -> int | None:
-    """A decimal string (Kafka Connect, KIP-1191) or a big-endian 4/8-byte integer (Spring Kafka)."""
+    """A decimal string (Kafka Connect, KIP-1191) or a big-endian 4/8-byte integer (Spring Kafka), within the
+    range its kind allows (a partition, an offset, a timestamp); else the record is refused, saying why."""
     raw = next((v for k, v in headers if k == name and v is not None), None)
     if raw is None:
         return None
-    if raw and raw.lstrip(b"-").isdigit():
-        return int(raw)
-    if len(raw) in (4, 8):
-        return int.from_bytes(raw, "big", signed=True)
-    raise NotImportable(f"header {name} is neither a decimal number nor a 4/8-byte integer: {raw[:16]!r}")
+    if raw and raw.lstrip(b"-").isdigit() and len(raw) <= 20:
+        value = int(raw)
+    elif raw and raw.lstrip(b"-").isdigit():
+        raise NotImportable(f"header {name} is a number of {len(raw)} digits")
+    elif len(raw) in (4, 8):
+        value = int.from_bytes(raw, "big", signed=True)
+    else:
+        raise NotImportable(f"header {name} is neither a decimal number nor a 4/8-byte integer: {raw[:16]!r}")
+    kind = next((k for k in _RANGES if name.endswith(k)), None)
+    low, high = _RANGES[kind] if kind is not None else (-_INT64 - 1, _INT64)
+    if not low <= value <= high:
+        raise NotImportable(f"header {name} is out of range for a {kind or 'number'}: {value}")
+    return value
+
+
+def _timestamp(value: int | None) -> int | None:
+    """A Kafka record's own timestamp as a task time: None when it is not one (negative, or past year 9999)."""
+    return value if value is not None and 0 <= value <= _MAX_TIME_MS else None
 
 
 def _spring(headers: Headers) -> Failure:
@@ -153,8 +174,8 @@ def decode_envelope(value: bytes) -> Task:
             raise ValueError(f"schema is {envelope.get('schema')!r}, not {SCHEMA}")
         attempts = tuple(Attempt.from_json(a) for a in envelope.get("attempts", []))
         return Task.from_json(envelope["task"], attempts)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise NotImportable(f"not an rdq DLQ envelope: {type(e).__name__}: {e}") from e
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError) as e:
+        raise NotImportable(f"not an rdq DLQ envelope: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def imported_id(record: DlqRecord, created_at: int) -> str:
@@ -165,7 +186,31 @@ def imported_id(record: DlqRecord, created_at: int) -> str:
 
 
 def to_task(record: DlqRecord, queue: str, handler_ref: str) -> tuple[str, Task]:
-    """(format, the DEAD task) for one DLQ record, or raise NotImportable."""
+    """(format, the DEAD task) for one DLQ record, or raise NotImportable: never anything else, whatever the
+    record holds (each record is imported or refused alone)."""
+    try:
+        kind, task = _to_task(record, queue, handler_ref)
+        _storable(task)
+        return kind, task
+    except NotImportable:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        raise NotImportable(f"cannot be read as a task: {type(e).__name__}: {str(e)[:200]}") from e
+
+
+def _storable(task: Task) -> None:
+    """Every number fits SQLite's INTEGER and every time is a date its readers can write out (an envelope may say
+    `attempt_count: 1e30` or a time in the year 300,000)."""
+    numbers = [v for v in vars(task).values() if isinstance(v, int) and not isinstance(v, bool)]
+    numbers += [v for a in task.attempts for v in vars(a).values() if isinstance(v, int) and not isinstance(v, bool)]
+    if any(not -_INT64 - 1 <= v <= _INT64 for v in numbers):
+        raise NotImportable("a number of the task is out of range for a 64-bit integer")
+    task.to_json()  # times as dates, payload as base64
+    for attempt in task.attempts:
+        attempt.to_json()
+
+
+def _to_task(record: DlqRecord, queue: str, handler_ref: str) -> tuple[str, Task]:
     for prefix, parse in FORMATS:
         if any(k.startswith(prefix) for k, _ in record.headers):
             return _from_failure(record, parse(record.headers), queue, handler_ref)
@@ -178,7 +223,7 @@ def to_task(record: DlqRecord, queue: str, handler_ref: str) -> tuple[str, Task]
 def _from_failure(record: DlqRecord, failure: Failure, queue: str, handler_ref: str) -> tuple[str, Task]:
     if failure.topic is None or failure.partition is None or failure.offset is None:
         raise NotImportable(f"{failure.format} record without its original topic, partition and offset")
-    finished = record.timestamp or failure.timestamp or 0
+    finished = _timestamp(record.timestamp) or failure.timestamp or 0
     created = failure.timestamp or finished
     own = tuple((k, v) for k, v in record.headers if not k.startswith(failure.prefix))
     source = SourceRecord(failure.topic, failure.partition, failure.offset, record.key, record.value or b"",

@@ -6,7 +6,9 @@ import base64
 import json
 import struct
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from bridge.dlq import envelope
 from bridge.foreign_dlq import (
@@ -103,7 +105,8 @@ def test_the_same_record_gets_the_same_id_and_another_record_another() -> None:
     one = to_task(record(CONNECT_HEADERS), "q", "h")[1].id
     assert to_task(record(CONNECT_HEADERS), "q", "h")[1].id == one
     assert to_task(record(CONNECT_HEADERS, offset=4), "q", "h")[1].id != one
-    assert Task is not None and len(one) == 26  # a ULID
+    assert len(one) == 26 and Task.from_json  # a ULID
+    assert str(__import__("ulid").ULID.from_str(one)) == one
 
 
 @pytest.mark.parametrize(("headers", "value", "why"), [
@@ -119,3 +122,111 @@ def test_a_record_that_is_not_importable_is_refused_with_the_reason(headers: lis
                                                                     value: bytes, why: str) -> None:
     with pytest.raises(NotImportable, match=why):
         to_task(record(headers, value=value), "q", "h")
+
+
+def _spring_with(name: str, value: bytes) -> list[tuple[str, bytes]]:
+    return [(k, value if k == name else v) for k, v in spring_headers()]
+
+
+@pytest.mark.parametrize(("headers", "value", "why"), [
+    # A Spring timestamp of 0x7fff…ff: OverflowError once, and the rest of the range was not imported.
+    (_spring_with("kafka_dlt-original-timestamp", b"\x7f" + b"\xff" * 7), b"x", "out of range for a timestamp"),
+    (_spring_with("kafka_dlt-original-partition", struct.pack(">i", -3)), b"x", "out of range for a partition"),
+    # A 5,000-digit Connect offset: ValueError (Python's int() digit limit).
+    ([(k, b"9" * 5000 if k == "__connect.errors.offset" else v) for k, v in CONNECT_HEADERS], b"x",
+     "a number of 5000 digits"),
+    ([(k, b"-1" if k == "__dlq.errors.offset" else v) for k, v in SHARE_HEADERS], b"x", "out of range"),
+])
+def test_a_malformed_number_refuses_its_record_with_the_reason(headers: list[tuple[str, bytes]], value: bytes,
+                                                               why: str) -> None:
+    with pytest.raises(NotImportable, match=why):
+        to_task(record(headers, value=value), "q", "h")
+
+
+@pytest.mark.parametrize("change", [
+    lambda e: e["task"].update(attempt_count=float("inf")),  # `attempt_count: Infinity`: OverflowError once
+    lambda e: e["task"].update(attempt_count=10**30),
+    lambda e: e["task"].update(created_at="year 300000"),
+    lambda e: e["attempts"].append({"attempt_no": "x"}),
+    lambda e: e.update(task=[]),
+])
+def test_a_malformed_envelope_is_refused_and_so_is_its_redrive(change: object) -> None:
+    from bridge.foreign_dlq import decode_envelope
+
+    original = to_task(record(CONNECT_HEADERS), "q", "h")[1]
+    body = json.loads(json.dumps(envelope(original)))
+    change(body)  # type: ignore[operator]
+    value = json.dumps(body).encode()
+    with pytest.raises(NotImportable):
+        to_task(record([], value=value), "q", "h")
+    if isinstance(body.get("task"), dict) and body["task"].get("attempt_count") == float("inf"):
+        with pytest.raises(NotImportable):  # a redrive from that DLQ record reads it the same way
+            decode_envelope(value)
+
+
+NAMES = [k for k, _ in spring_headers() + CONNECT_HEADERS + SHARE_HEADERS] + ["content-type", "rdq.source", ""]
+NUMBERS = st.one_of(st.integers(-(2**70), 2**70).map(lambda n: str(n).encode()),
+                    st.integers(-(2**63), 2**63 - 1).map(lambda n: struct.pack(">q", n)),
+                    st.integers(-(2**31), 2**31 - 1).map(lambda n: struct.pack(">i", n)))
+HEADER = st.tuples(st.one_of(st.sampled_from(NAMES), st.text(max_size=30)),
+                   st.one_of(st.none(), st.binary(max_size=40), NUMBERS))
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(headers=st.lists(HEADER, max_size=14), value=st.one_of(st.none(), st.binary(max_size=200)),
+                  timestamp=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+                  key=st.one_of(st.none(), st.binary(max_size=20)), offset=st.integers(0, 2**63 - 1))
+def test_any_foreign_record_is_imported_or_refused_never_an_error(headers: list[tuple[str, bytes | None]],
+                                                                 value: bytes | None, timestamp: int | None,
+                                                                 key: bytes | None, offset: int) -> None:
+    """Arbitrary header bytes, sizes and numbers: a task that can be stored and shown, or NotImportable."""
+    dlq = DlqRecord("legacy.DLT", 0, offset, timestamp, key, value, tuple(headers))
+    try:
+        kind, task = to_task(dlq, "q", "h")
+    except NotImportable as e:
+        assert str(e)
+        return
+    assert kind in (SPRING, CONNECT, SHARE_GROUP, RDQ)
+    assert task.status == Status.DEAD and task.attempts and json.dumps(task.to_json())
+    assert all(-(2**63) <= n <= 2**63 - 1 for n in (task.created_at, task.finished_at or 0, task.attempt_count))
+
+
+@st.composite
+def mutated_headers(draw: st.DrawFn) -> list[tuple[str, bytes | None]]:
+    """A real format's headers, some of their values replaced by arbitrary bytes or numbers of any size."""
+    base = draw(st.sampled_from([spring_headers(), CONNECT_HEADERS, SHARE_HEADERS]))
+    out = []
+    for name, value in base:
+        out.append((name, draw(st.one_of(st.none(), st.binary(max_size=12), NUMBERS)) if draw(st.booleans())
+                    else value))
+    return out
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(headers=mutated_headers(), timestamp=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)))
+def test_any_mutation_of_a_real_format_is_imported_or_refused(headers: list[tuple[str, bytes | None]],
+                                                             timestamp: int | None) -> None:
+    dlq = DlqRecord("legacy.DLT", 0, 5, timestamp, b"k", b"v", tuple(headers))
+    try:
+        _, task = to_task(dlq, "q", "h")
+    except NotImportable as e:
+        assert str(e)
+        return
+    assert json.dumps(task.to_json()) and all(json.dumps(a.to_json()) for a in task.attempts)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(task=st.fixed_dictionaries({
+    "attempt_count": st.one_of(st.integers(), st.floats(), st.text(max_size=5), st.none()),
+    "created_at": st.one_of(st.integers(), st.floats(), st.text(max_size=30)),
+    "status": st.one_of(st.sampled_from(["DEAD", "PENDING", "x"]), st.integers())}))
+def test_any_envelope_is_imported_or_refused_never_an_error(task: dict[str, object]) -> None:
+    original = to_task(record(CONNECT_HEADERS), "q", "h")[1]
+    body = json.loads(json.dumps(envelope(original)))
+    body["task"].update(task)
+    try:
+        _, imported = to_task(record([], value=json.dumps(body).encode()), "q", "h")
+    except NotImportable as e:
+        assert str(e).startswith(("not an rdq", "cannot be read", "the envelope", "a number"))
+        return
+    assert imported.status == Status.DEAD and json.dumps(imported.to_json())

@@ -33,7 +33,12 @@ async def cli(config: BridgeConfig, tmp_path: Path, *args: str) -> tuple[int, st
 
 
 def legacy_records(unique: str) -> list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]:
+    # First, a Spring record whose timestamp header is 0x7fff…ff: it once raised OverflowError and the rest of the
+    # range was never imported. Now it is refused alone, with its reason.
+    broken = [(k, b"\x7f" + b"\xff" * 7 if k == "kafka_dlt-original-timestamp" else v)
+              for k, v in spring_headers(partition=0, offset=10)]
     return [
+        (b"acct-0", b'{"n": 0}', broken),
         (b"acct-1", b'{"n": 1}', spring_headers(partition=0, offset=11)),
         (b"acct-2", b'{"n": 2}', CONNECT_HEADERS),
         (b"acct-3", b'{"n": 3}', SHARE_HEADERS),
@@ -60,20 +65,21 @@ async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dl
                                    "--json")
         assert code == 0, err
         dry = json.loads(out)
-        assert dry["imported"] == 4 and dry["refused"] == 1 and await bridge.store.counts() == {}
+        assert dry["imported"] == 4 and dry["refused"] == 2 and await bridge.store.counts() == {}
         code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--dry-run",
                                    "--error-type", "DataException", "--json")  # by class name alone
         only = json.loads(out)
         assert code == 0 and only["imported"] == 1 and only["formats"] == {"kafka-connect": 1}, out + err
-        assert only["filtered"] == 3 and only["unclaimed"] == 0
+        assert only["filtered"] == 3 and only["unclaimed"] == 0 and only["refused"] == 2
 
         code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
         assert code == 0, err
         first = json.loads(out)
-        assert first["records"] == 5 and first["imported"] == 4 and first["unclaimed"] == 0
+        assert first["records"] == 6 and first["imported"] == 4 and first["unclaimed"] == 0
         assert first["formats"] == {"spring-kafka": 1, "kafka-connect": 1, "share-group": 1, "rdq": 1}
-        [refusal] = first["refusals"]
-        assert refusal["offset"] == 3 and "unknown format" in refusal["reason"]
+        overflow, unknown = sorted(first["refusals"], key=lambda r: r["offset"])
+        assert overflow["offset"] == 0 and "out of range for a timestamp" in overflow["reason"]
+        assert unknown["offset"] == 4 and "unknown format" in unknown["reason"]
 
         tasks = {t.headers.get(IMPORTED_FORMAT): t for t in await bridge.store.list_tasks("q", Status.DEAD)}
         assert set(tasks) == {"spring-kafka", "kafka-connect", "share-group", "rdq"}
@@ -111,10 +117,11 @@ async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dl
     code, out, err = await cli(config, tmp_path, "dlq", "--topic", legacy, "--json")
     assert code == 0, err
     entries: list[dict[str, Any]] = [json.loads(line) for line in out.splitlines()]
-    assert [e.get("format") for e in entries] == ["spring-kafka", "kafka-connect", "share-group", None, "rdq"]
-    assert "unknown format" in entries[3]["unreadable"] and entries[4]["task_id"] == own_id
-    assert entries[0]["source"] == "kafka://orders/0/11" and entries[0]["attempts"][0]["outcome"]
-    assert entries[0]["trace_id"] is None  # the record carries none: no trace is made up for it
+    assert [e.get("format") for e in entries] == [None, "spring-kafka", "kafka-connect", "share-group", None, "rdq"]
+    assert "out of range" in entries[0]["unreadable"]  # shown, with its reason, and the tail goes on
+    assert "unknown format" in entries[4]["unreadable"] and entries[5]["task_id"] == own_id
+    assert entries[1]["source"] == "kafka://orders/0/11" and entries[1]["attempts"][0]["outcome"]
+    assert entries[1]["trace_id"] is None  # the record carries none: no trace is made up for it
 
 
 def _create(config: BridgeConfig, topic: str) -> None:
