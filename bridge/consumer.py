@@ -477,7 +477,7 @@ class SourceConsumer:
         wanted = self._restoring & self._assigned
         for tp in self._assigned:
             lane = self._lanes.get(tp)
-            waiting, size = (len(lane.ready), lane.ready_bytes) if lane is not None else (0, 0)
+            waiting, size = (lane.backlog, lane.ready_bytes) if lane is not None else (0, 0)
             if (waiting > high or size > high_bytes
                     or (tp in self._paused and (waiting > high // 2 or size > high_bytes / 2))
                     or self.config.queue_for_topic(tp[0]) in held):

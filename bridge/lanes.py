@@ -86,7 +86,8 @@ class Lane:
         self.delivery = delivery
         self.limit = max(1, limit)
         self.ready: deque[SourceRecord] = deque()
-        self.ready_bytes = 0  # payload bytes of `ready` (the consumer pauses a partition past its share)
+        self.ready_bytes = 0  # payload bytes of `ready` and set aside (the consumer pauses past its share)
+        self.set_aside = 0  # ordering: key — records of a running key waiting aside (in `_waiting`)
         # Set by the consumer (store unwritable, restoring, queue paused or at max_open_tasks): runners take no
         # more records; those running finish.
         self.held = False
@@ -144,6 +145,12 @@ class Lane:
         """Runners running or results not yet handed over."""
         return bool(self._runners or self._starting or self._results)
 
+    @property
+    def backlog(self) -> int:
+        """Fetched records not yet started: ready, and set aside behind their running key (a hot key's records
+        count too, or 200k of them would grow memory without the partition ever pausing)."""
+        return len(self.ready) + self.set_aside
+
     def running(self) -> int:
         return sum(1 for r in self._runners if r.current is not None)
 
@@ -153,7 +160,7 @@ class Lane:
         with self._lock:
             self.ready.clear()
             self._waiting.clear()
-            self.ready_bytes = 0
+            self.ready_bytes = self.set_aside = 0
             for runner in self._runners:
                 runner.abandoned = True  # it reports what it is running, then takes nothing more
 
@@ -231,6 +238,7 @@ class Lane:
             key = record.key
             if key is not None and key in self._running_keys:
                 self._waiting.setdefault(key, deque()).append(record)
+                self.set_aside += 1
                 continue
             self.ready_bytes -= len(record.value)
             if key is not None:
@@ -287,6 +295,7 @@ class Lane:
         if not waiting:
             return False
         self.ready.appendleft(waiting.popleft())
+        self.set_aside -= 1
         if not waiting:
             del self._waiting[key]
         return True

@@ -271,3 +271,40 @@ async def test_binary_keys_keep_their_order_across_a_restart(kafka: KafkaEnv, tm
                          what="each key's two records, in order")
         assert (await bridge.store.counts())["q"].get("PARKED", 0) == 0
     assert recorder.overlaps == []
+
+
+async def test_a_hot_keys_records_set_aside_count_towards_the_pause(kafka: KafkaEnv, tmp_path: Path,
+                                                                    unique: str) -> None:
+    """One key, its first record's handler stuck: every later record of the key is set aside in the lane. They were
+    not counted by the pause logic (only the lane's ready queue was), so the partition was never paused and
+    memory grew with every fetch. Now the partition pauses past the backlog bound, and all run in order after."""
+    release = threading.Event()
+    done: list[int] = []
+
+    def hot(ctx: HandlerContext) -> None:
+        seq = json.loads(ctx.payload)["seq"]
+        if seq == 0:
+            release.wait(60)
+        done.append(seq)
+
+    registry = Registry()
+    registry.register("recorder", hot)
+    config = ordered_config(kafka, tmp_path, unique)
+    n = 6000  # past the 2,000 fetched records a partition may hold before it pauses
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", [(b"hot", json.dumps({"key": "hot", "seq": i}).encode(), [])
+                                         for i in range(n)])
+        tp = (f"in-{unique}", 0)
+        consumer = bridge.consumer
+
+        def paused_by_its_backlog() -> bool:
+            lane = consumer._lanes.get(tp)  # (a partition is paused while it restores, too: not that pause)
+            return lane is not None and tp not in consumer.restoring and lane.set_aside > 2000 and tp in consumer._paused
+
+        await wait_until(paused_by_its_backlog, within=60, what="the partition paused by its set-aside records")
+        await asyncio.sleep(1.0)
+        lane = consumer._lanes[tp]
+        assert tp in consumer._paused and lane.backlog > 2000  # it stays paused while its backlog is high
+        release.set()
+        await wait_until(lambda: len(done) == n, within=120, what="every record of the hot key")
+    assert done == list(range(n))
