@@ -299,7 +299,8 @@ async def test_a_hot_keys_records_set_aside_count_towards_the_pause(kafka: Kafka
 
         def paused_by_its_backlog() -> bool:
             lane = consumer._lanes.get(tp)  # (a partition is paused while it restores, too: not that pause)
-            return lane is not None and tp not in consumer.restoring and lane.set_aside > 2000 and tp in consumer._paused
+            restored = tp not in consumer.restoring
+            return lane is not None and restored and lane.set_aside > 2000 and tp in consumer._paused
 
         await wait_until(paused_by_its_backlog, within=60, what="the partition paused by its set-aside records")
         await asyncio.sleep(1.0)
