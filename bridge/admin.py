@@ -305,6 +305,7 @@ class AdminLoop:
             return
         log.info("admin %s by %s, key %s (%s)", cmd.command, cmd.issued_by, cmd.key_id, cmd.request_id)
         if isinstance(cmd.args, RedriveArgs) and RedriveCommands.is_bulk(cmd.args):
+            self.commands.redrives.expect(cmd.request_id)  # a cancel in the same poll finds it
             task = asyncio.create_task(self._execute(cmd, verified), name=f"rdq-admin-{cmd.request_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -47,6 +47,10 @@ class RedriveCommands:
         self.running: set[str] = set()  # request ids of the bulk redrives under way
         self.cancelled: dict[str, str] = {}  # request id → who cancelled it
 
+    def expect(self, request_id: str) -> None:
+        """A bulk redrive about to start (in the background): cancellable from now on, before its scan."""
+        self.running.add(request_id)
+
     def cancel(self, request_id: str, by: str) -> bool:
         """A bulk redrive under way stops at its next batch. True when one with that id runs here."""
         if request_id not in self.running:
@@ -79,6 +83,16 @@ class RedriveCommands:
     # ---- by queue: paced ---------------------------------------------------------------------------------
 
     async def _redrive_queue(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        if args.dry_run:
+            return await self._plan_or_run(args, cmd, progress)
+        self.running.add(cmd.request_id)  # before the scan: a cancel sent while it plans is not lost
+        try:
+            return await self._plan_or_run(args, cmd, progress)
+        finally:
+            self.running.discard(cmd.request_id)
+            self.cancelled.pop(cmd.request_id, None)
+
+    async def _plan_or_run(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         assert args.queue is not None
         if self.engine.config.queue(args.queue) is None:
             raise Refused("InvalidArgs", f"no queue named {args.queue!r} on this instance")
@@ -98,12 +112,7 @@ class RedriveCommands:
             return {"dry_run": True, "matched": [i for i, _ in found][:_LISTED], "eligible": eligible[:_LISTED],
                     "count": len(eligible), **told}
         began = time.monotonic()
-        self.running.add(cmd.request_id)
-        try:
-            done, interrupted = await self._paced(eligible, rate, guard, cmd, progress)
-        finally:
-            self.running.discard(cmd.request_id)
-            self.cancelled.pop(cmd.request_id, None)
+        done, interrupted = await self._paced(eligible, rate, guard, cmd, progress)
         seconds = time.monotonic() - began
         return {"dry_run": False, "redriven": done[:_LISTED], "count": len(done), "matched": len(found), **told,
                 "rate": round(len(eligible if not interrupted else done) / seconds, 1) if seconds > 0 else None,

@@ -169,3 +169,27 @@ def test_the_progress_line_shows_each_instance_the_rate_and_an_eta() -> None:
     assert shares_for({"a": 3000, "b": 1000, "c": 0}, 400) == {"a": {"rate": 300.0, "limit": 3000},
                                                               "b": {"rate": 100.0, "limit": 1000}}
     assert pick_canary({"a": ["a1", "a2", "a3"], "b": ["b1"]}, 3) == ["a1", "b1", "a2"]
+
+
+async def test_a_cancel_sent_while_a_bulk_redrive_still_plans_is_not_lost(
+        rig: tuple[AdminCommands, Store, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The redrive registered itself only after its scan of the dead tasks: a cancel that arrived meanwhile found
+    nothing under way and was lost, and the whole queue was redriven."""
+    commands, store, _ = rig
+    await _dead(store, 100)
+    scan = store.dead_candidates
+    planning = asyncio.Event()
+
+    async def slow_scan(*args: Any, **kwargs: Any) -> Any:
+        planning.set()
+        await asyncio.sleep(0.5)  # a scan of a large store
+        return await scan(*args, **kwargs)
+
+    monkeypatch.setattr(store, "dead_candidates", slow_scan)
+    running = asyncio.create_task(_run(commands, _cmd("r-2", queue="q", limit=1000, rate=1000)))
+    await asyncio.wait_for(planning.wait(), 5)
+    assert commands.redrives.cancel("r-2", "sre@host (key k1)")
+    result = await asyncio.wait_for(running, 5)
+    assert result["count"] == 0 and result["interrupted"].startswith("cancelled by sre@host")
+    assert (await store.counts())["q"]["DEAD"] == 100
+    assert commands.redrives.running == set() and commands.redrives.cancelled == {}
