@@ -598,6 +598,8 @@ class SourceConsumer:
             return  # revoked while restoring
         if committed and committed[0].offset >= 0:
             self._baseline[tp] = committed[0].offset
+        else:
+            await self._baseline_without_commit(tp)
         await self.changelog.local.set_home(tp, "active")
         lane = self._lanes.get(tp)
         if lane is not None and not lane.keys_loaded:
@@ -614,6 +616,21 @@ class SourceConsumer:
                  "%d local tasks the changelog no longer holds dropped)", label, report.tasks, report.records,
                  report.seconds, report.tombstones, report.unreadable, report.dropped)
         self._start_ready(tp)
+
+    async def _baseline_without_commit(self, tp: TP) -> None:
+        """A partition with no committed offset (nothing consumed yet) still needs one in the changelog writer's
+        transactions: its offsets are what fences a zombie's writes, and without any, a round holding an import or
+        a redrive homed here was refused for ever. The offset the consumer would start from anyway (earliest, or
+        latest when the config says so) is committed: it changes nothing of what is consumed."""
+        assert self._consumer is not None
+        policy = str({**self.config.kafka.consumer}.get("auto.offset.reset", "earliest"))
+        try:
+            low, high = await self._call(self._consumer.get_watermark_offsets, TopicPartition(*tp), 10.0, False)
+        except KafkaException as e:
+            log.warning("%s/%d: no committed offset and no watermarks (%s): its writes wait for a first record",
+                        *tp, e)
+            return
+        self._baseline[tp] = int(high if policy in ("latest", "largest", "end") else low)
 
     async def _drop_strangers(self) -> None:
         """Tasks in this file whose partition is not this instance's (left by a crash, or by a run before the

@@ -130,3 +130,35 @@ def _create(config: BridgeConfig, topic: str) -> None:
     admin = AdminClient({"bootstrap.servers": config.kafka.bootstrap_servers})
     for future in admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)]).values():
         future.result(30)
+
+
+async def test_an_import_into_a_partition_never_consumed_reaches_the_changelog(kafka: KafkaEnv, tmp_path: Path,
+                                                                              unique: str) -> None:
+    """No record of the source was ever consumed (no committed offset): the changelog writer had no offsets to send
+    with its transaction and refused every round holding the imported tasks, so they lived in SQLite only (lost
+    with the disk, dropped by the next owner) and DLQ publishes queued behind them stalled."""
+    from tests.test_changelog_kafka import changelog_states
+
+    registry, _ = switch_registry()
+    legacy = f"legacy-dlq-{unique}"
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}},
+                          kafka={"topic_partitions": 1})
+    async with running_bridge(config, registry) as bridge:
+        _create(config, legacy)
+        connect = [(k, b"0" if k == "__connect.errors.partition" else v) for k, v in CONNECT_HEADERS]
+        connect = [(k, f"in-{unique}".encode() if k == "__connect.errors.topic" else v) for k, v in connect]
+        produce(config, legacy, [(b"acct-9", b'{"n": 9}', connect)])
+        await wait_until(lambda: not bridge.consumer.restoring and bridge.consumer.owns(f"in-{unique}", 0),
+                         what="the partition restored")
+        code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
+        assert code == 0 and json.loads(out)["imported"] == 1, out + err
+        [task] = await bridge.store.list_tasks("q", Status.DEAD)
+        assert bridge.changelog is not None
+        local = bridge.changelog.local
+
+        async def logged() -> bool:
+            return not await local.unlogged([task.id])
+
+        await wait_until(logged, within=30, what="the imported task in the changelog")
+    states = await asyncio.to_thread(changelog_states, config, f"in-{unique}")
+    assert states[task.id]["task"]["status"] == "DEAD"
