@@ -236,7 +236,7 @@ class Lane:
         while self.ready:
             record = self.ready.popleft()
             key = record.key
-            if key is not None and key in self._running_keys:
+            if key is not None and (key in self._running_keys or self._storing(key)):
                 self._waiting.setdefault(key, deque()).append(record)
                 self.set_aside += 1
                 continue
@@ -272,13 +272,38 @@ class Lane:
                 if entry is not None and entry[0] == gen and entry[1] == 0:
                     del self._blocked[key]
 
+    def _storing(self, key: bytes) -> bool:
+        """(Under the lock.) A task of this key is on its way into the store: the key's next record waits for it,
+        so the store decides each record of a key in offset order. (Parked behind a head whose insert failed and
+        is retried, a later record was stored PENDING and ran beside it; or it was stored first, and the retried
+        earlier one then looked like a redelivery and was dropped.)"""
+        entry = self._blocked.get(key)
+        return entry is not None and entry[1] > 0
+
     def stored(self, keys: list[bytes | None]) -> None:
         """Tasks reported for these keys are in the store now (or were put back to run again)."""
+        back = False
         with self._lock:
             for key in keys:
                 entry = self._blocked.get(key) if key is not None else None
-                if entry is not None and entry[1] > 0:
-                    entry[1] -= 1
+                if key is None or entry is None or entry[1] == 0:
+                    continue
+                entry[1] -= 1
+                if entry[1] == 0 and key not in self._running_keys:
+                    back = self._next_of(key) or back
+        if back:
+            self.dispatch()
+
+    def _next_of(self, key: bytes) -> bool:
+        """(Under the lock.) The key's next waiting record back to the front; False when none waits."""
+        waiting = self._waiting.get(key)
+        if not waiting:
+            return False
+        self.ready.appendleft(waiting.popleft())
+        self.set_aside -= 1
+        if not waiting:
+            del self._waiting[key]
+        return True
 
     def _key_ended(self, ran: Ran) -> bool:
         """(Under the lock.) A record of an ordered lane ended: its key is free to run its next record, blocked if
@@ -291,14 +316,8 @@ class Lane:
             entry = self._blocked.setdefault(key, [0, 0])
             entry[0] += 1
             entry[1] += 1
-        waiting = self._waiting.get(key)
-        if not waiting:
-            return False
-        self.ready.appendleft(waiting.popleft())
-        self.set_aside -= 1
-        if not waiting:
-            del self._waiting[key]
-        return True
+            return False  # its next record waits until this task is stored (`stored`)
+        return self._next_of(key)
 
     def _park(self, record: SourceRecord) -> Ran:
         queue = self.delivery.config.queue(self.queue_name)

@@ -215,3 +215,28 @@ def test_a_failures_stack_reads_as_pythons_own_without_the_carets() -> None:
             lines = "".join(traceback.format_exception(e)).splitlines(keepends=True)
             expected = "".join(line for line in lines if not re.fullmatch(r"\s*[~^]+\s*", line))
             assert format_stack(e) == expected
+
+
+async def test_a_keys_next_record_waits_until_its_failed_record_is_stored(rig: Rig) -> None:
+    """ordering: key. A record that became a task blocks its key; the key's next record must not be parked (or run)
+    before that task is in the store: a head whose insert failed and was retried let a later record find no open
+    task (stored PENDING, run beside the head) or be stored first (the retried head then looked like a redelivery
+    and was dropped: acknowledged, never stored)."""
+    def fails_first(ctx: HandlerContext) -> None:
+        if ctx.source.endswith("/0"):
+            raise ConnectionError("down")
+
+    lane = await rig.lane(fails_first, ordering="key")
+    lane.load_keys(set())
+    lane.add([SourceRecord("t", 0, i, b"K", b"{}", None, ()) for i in range(3)])
+    assert await eventually(lambda: len(rig.results) >= 1)
+    await asyncio.sleep(0.3)
+    assert [r.record.offset for r in rig.results] == [0] and rig.results[0].task is not None
+    assert lane.backlog == 2  # 1 and 2 wait for 0's task to be stored
+    lane.stored([b"K"])  # 0's task is in the store now
+    assert await eventually(lambda: len(rig.results) >= 2)
+    await asyncio.sleep(0.3)
+    assert [r.record.offset for r in rig.results] == [0, 1]
+    assert rig.results[1].task is not None and rig.results[1].task.status == Status.PARKED
+    lane.stored([b"K"])
+    assert await eventually(lambda: [r.record.offset for r in rig.results] == [0, 1, 2])
