@@ -234,6 +234,41 @@ async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path
         await store.close()
 
 
+async def test_a_restore_does_not_release_the_record_parked_behind_a_held_dead_head(tmp_path: Path) -> None:
+    """on_dead: hold. The restore replaces a task by deleting and re-inserting it: deleting the held dead head fired
+    the purge trigger and released its parked record, which the changelog still has PARKED."""
+    import dataclasses
+
+    from bridge.model import order_key_of
+
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, "active")
+        key = order_key_of("src", 0, b"k")
+        dead = on("src", 0, 1, dead=ErrorInfo("Boom", "no"))
+        held = dataclasses.replace(dead, order_key=key, order_seq=1, order_hold=True)
+        behind = dataclasses.replace(on("src", 0, 2), status=Status.PARKED, next_attempt_at=None, first_attempt=None,
+                                     order_key=key, order_seq=2, order_hold=True)
+        await store.submit(held)
+        await store.submit(behind)
+        assert (await store.get(behind.id)).status == Status.PARKED  # type: ignore[union-attr]
+        entries = await local.outbox(10)
+        await local.mark_logged(entries)
+        await local.set_home(HOME, None)  # a restart: restored from the changelog, which holds both as they are
+        records = {e.task_id: (i, e.task_id.encode(), e.value) for i, e in enumerate(entries)}
+        seen: set[str] = set()
+        existing = await local.home_ids(HOME)
+        for task_id in (behind.id, held.id):  # the head's record in a later batch than its parked one's
+            await local.restore_batch(HOME, "cl", [records[task_id]], seen, T0, [], existing)
+        await local.restore_finish(HOME, seen)
+        assert (await store.get(behind.id)).status == Status.PARKED  # type: ignore[union-attr]
+        assert (await store.get(held.id)).status == Status.DEAD  # type: ignore[union-attr]
+        assert await store.skip(held.id) == held.order_key  # an SRE's skip still releases it
+        assert (await store.get(behind.id)).status == Status.PENDING  # type: ignore[union-attr]
+    finally:
+        await store.close()
+
+
 def test_decode_refuses_what_it_cannot_read() -> None:
     good = {"schema": SCHEMA, "version": 1, "attempts": [], "redrives": [], "task": {
         "id": "T1", "queue": "q", "handler_ref": "h", "status": "PENDING", "attempt_count": 0, "redrive_count": 0,

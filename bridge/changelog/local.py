@@ -6,8 +6,9 @@ connection thread, never on the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,17 @@ class RestoreBatch:
     applied: int = 0
     unreadable: int = 0
     tombstones: int = 0
+
+
+@contextlib.contextmanager
+def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
+    """A restore's writes replay the changelog's states: the store's release triggers stay still meanwhile (a
+    held dead head deleted to be re-inserted is not purged; its parked record stays parked)."""
+    conn.execute(q("restore_guard_on"))
+    try:
+        yield
+    finally:
+        conn.execute(q("restore_guard_off"))
 
 
 class LocalIndex:
@@ -187,7 +199,8 @@ class LocalIndex:
                 last.pop(restored.task["id"], None)
                 last[restored.task["id"]] = restored
                 result.applied += 1
-            self._replace(conn, last, seen | existing)
+            with _guarded(conn):
+                self._replace(conn, last, seen | existing)
             for task_id, state in last.items():
                 if state is None:
                     seen.discard(task_id)
@@ -256,8 +269,9 @@ class LocalIndex:
         def apply(conn: sqlite3.Connection) -> int:
             gone = [r[0] for r in conn.execute(q("home_task_ids"), params).fetchall()
                     if r[0] not in seen and r[1] > 0]
-            for task_id in gone:
-                self._delete(conn, task_id)
+            with _guarded(conn):
+                for task_id in gone:
+                    self._delete(conn, task_id)
             return len(gone)
 
         return await self.store._submit(apply)

@@ -446,6 +446,12 @@ SELECT * FROM tasks
 -- name: home_drop_tombstones
 DELETE FROM tombstones WHERE home_topic = :topic AND home_partition = :partition;
 
+-- name: restore_guard_on
+INSERT INTO restore_guard (active) VALUES (1);
+
+-- name: restore_guard_off
+DELETE FROM restore_guard;
+
 -- name: versions_of
 SELECT id, version FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 
