@@ -17,7 +17,7 @@ from typing import Any
 from bridge.admin_protocol import Command, ImportArgs, Refused
 from bridge.admin_redrive import RedriveCommands
 from bridge.engine import Engine
-from bridge.foreign_dlq import DlqRecord, NotImportable, to_task
+from bridge.foreign_dlq import DlqRecord, NotImportable, pointer, to_task
 from bridge.model import Task, error_type_matches
 
 # (topic, partition, start, end) → the records in [start, end), as confluent-kafka messages
@@ -58,7 +58,8 @@ class ImportCommands:
     async def _one(self, record: DlqRecord, args: ImportArgs, handler: str, homed: bool,
                    out: dict[str, Any]) -> None:
         try:
-            kind, task = to_task(record, args.queue, handler)
+            original = await self._original(record)
+            kind, task = to_task(record, args.queue, handler, original)
         except NotImportable as e:
             out["refused"].append({"offset": record.offset, "reason": str(e)})
             return
@@ -80,6 +81,19 @@ class ImportCommands:
         out["imported"] += 1
         out["formats"][kind] = out["formats"].get(kind, 0) + 1
         out["tasks"].append(task.id)
+
+    async def _original(self, record: DlqRecord) -> DlqRecord | None:
+        """A pointer-only share-group record's original, read from its source topic (None: gone, or no pointer)."""
+        where = pointer(record)
+        if where is None:
+            return None
+        topic, partition, offset = where
+        try:
+            found = await asyncio.to_thread(self.read_range, topic, partition, offset, offset + 1)
+        except Exception as e:  # KafkaException: no such topic, the broker away
+            raise NotImportable(f"its original kafka://{topic}/{partition}/{offset} cannot be read: "
+                                f"{str(e)[:200]}") from e
+        return DlqRecord.from_message(found[0]) if found and found[0].offset() == offset else None
 
     def _home_for(self, task: Task) -> tuple[str, int] | None:
         queue = self.engine.config.queue(task.queue)

@@ -9,7 +9,8 @@ Formats, told apart by their headers:
   `.offset` (decimal strings), `.connector.name`, `.task.id`, `.stage`, `.exception.class.name`,
   `.exception.message`, `.exception.stacktrace`.
 - Kafka share groups (KIP-1191): `__dlq.errors.topic`, `.partition`, `.offset`, `.group`, `.delivery.count`,
-  `.message`.
+  `.message`. Kafka 4.4 writes pointer-only records by default (no value, no key): the importer reads the original
+  record from its source topic (`pointer`, then `to_task(..., original=...)`).
 - rdq (SPEC §6): the `rdq.dead-letter/v1` JSON envelope: the task itself, with its id and history.
 
 A record that is none of these, or one whose headers cannot be read (a partition that is not a number), is refused
@@ -185,11 +186,26 @@ def imported_id(record: DlqRecord, created_at: int) -> str:
     return str(ULID.from_bytes(max(0, created_at).to_bytes(6, "big") + digest))
 
 
-def to_task(record: DlqRecord, queue: str, handler_ref: str) -> tuple[str, Task]:
-    """(format, the DEAD task) for one DLQ record, or raise NotImportable: never anything else, whatever the
-    record holds (each record is imported or refused alone)."""
+def pointer(record: DlqRecord) -> tuple[str, int, int] | None:
+    """Where the original of a pointer-only share-group record is (Kafka 4.4 writes no copy of the record by
+    default: `errors.deadletterqueue.copy.record.enable=false`, headers and no value); None for any other record."""
+    if record.value is not None or not any(k.startswith("__dlq.errors.") for k, _ in record.headers):
+        return None
     try:
-        kind, task = _to_task(record, queue, handler_ref)
+        failure = _share_group(record.headers)
+    except NotImportable:
+        return None  # refused by to_task, with its reason
+    if failure.topic is None or failure.partition is None or failure.offset is None:
+        return None
+    return failure.topic, failure.partition, failure.offset
+
+
+def to_task(record: DlqRecord, queue: str, handler_ref: str, original: DlqRecord | None = None) -> tuple[str, Task]:
+    """(format, the DEAD task) for one DLQ record, or raise NotImportable: never anything else, whatever the
+    record holds (each record is imported or refused alone). `original`: the record a pointer-only share-group
+    record points to (`pointer`), read from its source topic; its key, value and headers make the task."""
+    try:
+        kind, task = _to_task(record if original is None else _resolved(record, original), queue, handler_ref)
         _storable(task)
         return kind, task
     except NotImportable:
@@ -220,9 +236,22 @@ def _to_task(record: DlqRecord, queue: str, handler_ref: str) -> tuple[str, Task
                         f"__dlq.errors.* (share group) header, and not an {SCHEMA} envelope")
 
 
+def _resolved(record: DlqRecord, original: DlqRecord) -> DlqRecord:
+    """A pointer with what it points to: the original's key, value and own headers, the pointer's failure headers
+    (and its place, so the task id still says which DLQ record it came from)."""
+    failure_headers = tuple((k, v) for k, v in record.headers if k.startswith("__dlq.errors."))
+    own = tuple((k, v) for k, v in original.headers if not k.startswith("__dlq.errors."))
+    return replace(record, key=original.key, value=original.value if original.value is not None else b"",
+                   headers=own + failure_headers)
+
+
 def _from_failure(record: DlqRecord, failure: Failure, queue: str, handler_ref: str) -> tuple[str, Task]:
     if failure.topic is None or failure.partition is None or failure.offset is None:
         raise NotImportable(f"{failure.format} record without its original topic, partition and offset")
+    if failure.format == SHARE_GROUP and record.value is None:
+        raise NotImportable(f"a pointer-only share-group record whose original kafka://{failure.topic}/"
+                            f"{failure.partition}/{failure.offset} is gone (retention or compaction removed it, or "
+                            "the topic was deleted): there is no payload to redrive")
     finished = _timestamp(record.timestamp) or failure.timestamp or 0
     created = failure.timestamp or finished
     own = tuple((k, v) for k, v in record.headers if not k.startswith(failure.prefix))

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-KAFKA_VERSION = "4.1.2"
+KAFKA_VERSION = "4.4.0"
 _HERE = Path(__file__).resolve().parent
 _STARTED_LINE = "Kafka Server started"
 _JVM_OPTS = [
@@ -143,7 +143,9 @@ class LocalBroker:
         if (self.workdir / "data" / "meta.properties").exists():
             return
         cluster_id = self._run_tool(libs, "kafka.tools.StorageTool", "random-uuid").splitlines()[-1]
-        self._run_tool(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props))
+        # share.version=2: share groups with their dead-letter queue (KIP-1191, Kafka 4.4), for `rdq import` tests.
+        self._run_tool(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props),
+                       "--feature", "share.version=2")
 
     def start(self, timeout: float = 90.0) -> LocalBroker:
         if self.process is not None and self.process.poll() is None:

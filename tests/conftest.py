@@ -25,7 +25,7 @@ import yaml
 from bridge.config import BridgeConfig, parse_config
 from localkafka import BrokerError, LocalBroker
 
-KAFKA_IMAGE = "apache/kafka:4.1.2"
+KAFKA_IMAGE = "apache/kafka:4.4.0"
 
 
 @dataclass

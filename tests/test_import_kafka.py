@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from bridge.foreign_dlq import IMPORTED_FORMAT
 from bridge.model import Status
 from bridge.records import SOURCE
 from tests.conftest import KafkaEnv
-from tests.kafka_helpers import aread_dlq, produce, running_bridge, wait_until
+from tests.kafka_helpers import aread_dlq, produce, read_topic, running_bridge, wait_until
 from tests.test_admin import QUEUE, ROOT, admin_config, dead_task, switch_registry, write
 from tests.test_foreign_dlq import CONNECT_HEADERS, SHARE_HEADERS, spring_headers
 
@@ -162,3 +163,90 @@ async def test_an_import_into_a_partition_never_consumed_reaches_the_changelog(k
         await wait_until(logged, within=30, what="the imported task in the changelog")
     states = await asyncio.to_thread(changelog_states, config, f"in-{unique}")
     assert states[task.id]["task"]["status"] == "DEAD"
+
+
+def _share_group_rejects(bootstrap: str, source: str, group: str, expect: int) -> None:
+    """A real share group (KIP-932) that rejects every record it gets: Kafka writes each to the group's DLQ."""
+    from confluent_kafka import AcknowledgeType, ShareConsumer
+
+    consumer = ShareConsumer({"bootstrap.servers": bootstrap, "group.id": group,
+                              "share.acknowledgement.mode": "explicit"})
+    consumer.subscribe([source])
+    rejected = 0
+    deadline = time.monotonic() + 60
+    try:
+        while rejected < expect and time.monotonic() < deadline:
+            messages = consumer.poll(1.0) or []
+            for msg in messages:
+                if msg.error() is None:
+                    consumer.acknowledge(msg, AcknowledgeType.REJECT)
+                    rejected += 1
+            if messages:
+                consumer.commit_sync()
+    finally:
+        consumer.close()
+    assert rejected == expect, rejected
+
+
+async def test_import_a_kafka_44_share_group_dlq_of_pointers_and_redrive_the_original_payloads(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """Kafka 4.4's share-group DLQ (KIP-1191) writes pointer-only records by default: `__dlq.errors.*` headers, no
+    value. The import reads each original (value, key, headers) from its source topic; a redrive then runs the
+    handler on the original payload, not on nothing. A pointer whose original is gone is refused, saying so."""
+    from confluent_kafka.admin import (  # type: ignore[attr-defined]
+        AdminClient,
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+        NewTopic,
+        ResourceType,
+    )
+
+    registry, switch = switch_registry()
+    source, dlq, group = f"orders-{unique}", f"dlq.share-{unique}", f"share-{unique}"  # the share group's topic
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}},
+                          kafka={"topic_partitions": 1})
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(source, 1, 1), NewTopic(
+            dlq, 1, 1, config={"errors.deadletterqueue.group.enable": "true"})]).values():
+        future.result(30)
+    settings = ConfigResource(ResourceType.GROUP, group, incremental_configs=[
+        ConfigEntry("errors.deadletterqueue.topic.name", dlq, incremental_operation=AlterConfigOpType.SET),
+        ConfigEntry("share.auto.offset.reset", "earliest", incremental_operation=AlterConfigOpType.SET)])
+    for future in admin.incremental_alter_configs([settings]).values():
+        future.result(30)
+    produce(config, source, [(f"acct-{i}".encode(), json.dumps({"n": i}).encode(), [("app-header", b"kept")])
+                             for i in range(4)])
+    await asyncio.to_thread(_share_group_rejects, kafka.bootstrap_servers, source, group, 4)
+    pointers = await asyncio.to_thread(read_topic, kafka.bootstrap_servers, dlq, 2.0, 60.0, 4)
+    assert len(pointers) == 4 and all(m.value() is None for m in pointers)
+    assert dict(pointers[0].headers())["__dlq.errors.message"] == b"Offset rejected by client."
+    # The original of the first is gone (deleted by retention, as it would be in time).
+    from confluent_kafka import TopicPartition
+
+    for future in admin.delete_records([TopicPartition(source, 0, 1)]).values():
+        future.result(30)
+
+    # Now the bridge, with a queue of its own: it imports the share group's DLQ into it.
+    async with running_bridge(config, registry) as bridge:
+        code, out, err = await cli(config, tmp_path, "import", "--topic", dlq, "--queue", "q", "--json")
+        assert code == 0, out + err
+        summary = json.loads(out)
+        assert summary["imported"] == 3 and summary["formats"] == {"share-group": 3}, summary
+        [gone] = summary["refusals"]
+        assert gone["offset"] == 0 and "is gone" in gone["reason"] and f"kafka://{source}/0/0" in gone["reason"]
+        tasks = {json.loads(t.payload)["n"]: t for t in await bridge.store.list_tasks("q", Status.DEAD)}
+        assert sorted(tasks) == [1, 2, 3]
+        one_task = await bridge.store.get(tasks[1].id)
+        assert one_task is not None and one_task.headers[SOURCE] == f"kafka://{source}/0/1"
+        assert one_task.attempts[0].note is not None and f"share group {group}" in one_task.attempts[0].note
+        switch.fixed = True
+        code, out, err = await cli(config, tmp_path, "redrive", "--queue", "q", "--rate", "100", "--json")
+        assert code == 0, out + err
+
+        async def all_ran() -> bool:
+            counts = (await bridge.store.counts()).get("q", {})
+            return counts.get("SUCCEEDED", 0) == 3
+
+        await wait_until(all_ran, what="the redriven originals to succeed")
+    assert {call[0] for call in switch.calls} == {t.id for t in tasks.values()}
