@@ -9,7 +9,7 @@ CONFIG ?= config/bridge.yaml
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install kafka run demo test lint faults bench clean
+.PHONY: install kafka run demo test lint faults soak bench clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is needed")'
@@ -39,6 +39,11 @@ test: kafka
 # huge records, bad configs, an old store. Prints a table and appends it to bench/RESULTS.md.
 faults: kafka
 	$(BIN)/python -m bench.faults $(FAULTS_ARGS)
+
+# The randomized whole-system run, long (by hand; figures in bench/RESULTS.md): three seeds of 15 minutes each.
+# FAULTS_SEED=N replays a seed. `make faults` runs it short, on two seeds.
+soak: kafka
+	$(BIN)/python -m bench.nemesis --seconds $(or $(SOAK_SECONDS),900) --runs 3
 
 # Benchmarks, each against a baseline measured in the same run (figures appended to bench/RESULTS.md).
 bench: kafka

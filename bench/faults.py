@@ -447,6 +447,28 @@ def old_store(bootstrap: str, tmp: Path) -> Row:
                expect={"successes": n, "schema": len(migrations())}, schema=version_now)
 
 
+def nemesis(bootstrap: str, tmp: Path, quick: bool) -> Row:
+    """The randomized whole-system run (bench/nemesis.py) on this suite's broker: seeds FAULTS_SEED (or 1) and the
+    next; every invariant of its checker must hold on each."""
+    from bench.nemesis import nemesis_run
+
+    first = int(os.environ.get("FAULTS_SEED", "1"))
+    seeds = [first, first + 1]
+    produced = successes = dead = 0
+    problems: list[str] = []
+    for seed in seeds:
+        where = tmp / f"nemesis-{seed}"
+        where.mkdir(parents=True, exist_ok=True)
+        verdict = nemesis_run(bootstrap, where, seed, 45.0 if quick else 120.0)
+        produced, successes, dead = produced + verdict.produced, successes + verdict.successes, dead + verdict.dead
+        problems += [f"seed {seed}: {v}" for v in verdict.violations]
+    note = f"seeds {', '.join(map(str, seeds))} (replay: FAULTS_SEED=N make faults FAULTS_ARGS='--only nemesis')"
+    if problems:
+        note = f"ERROR {'; '.join(problems)} — {note}"
+    return Row("nemesis: 3 bridges, every feature on, SIGKILL/STOP/TERM, lost disks, outages, redrives, imports",
+               produced, successes, dead, 0, 0, note)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller runs (CI on a busy machine)")
@@ -486,6 +508,7 @@ def main() -> int:
                                        dlq=10, successes=0),
             "config": lambda: bad_configs(tmp),
             "old-store": lambda: old_store(bootstrap, tmp),
+            "nemesis": lambda: nemesis(bootstrap, tmp, args.quick),
         }
         for name, run in faults.items():
             if args.only and name not in args.only:
