@@ -473,6 +473,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller runs (CI on a busy machine)")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--nemesis", action="store_true", help="also the randomized whole-system run (2 seeds)")
     args = parser.parse_args()
     rows: list[Row] = []
     rng = random.Random(7)
@@ -508,8 +509,9 @@ def main() -> int:
                                        dlq=10, successes=0),
             "config": lambda: bad_configs(tmp),
             "old-store": lambda: old_store(bootstrap, tmp),
-            "nemesis": lambda: nemesis(bootstrap, tmp, args.quick),
         }
+        if args.nemesis:  # `--nemesis` or `make soak`'s short form: see bench/nemesis.py (not yet in CI: README)
+            faults["nemesis"] = lambda: nemesis(bootstrap, tmp, args.quick)
         for name, run in faults.items():
             if args.only and name not in args.only:
                 continue
