@@ -309,6 +309,8 @@ class AdminLoop:
             task = asyncio.create_task(self._execute(cmd, verified), name=f"rdq-admin-{cmd.request_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            # However the command ended (refused before its redrive began, too), it is no longer cancellable.
+            task.add_done_callback(lambda _: self.commands.redrives.running.discard(cmd.request_id))
         else:
             await self._execute(cmd, verified)
 

@@ -623,7 +623,7 @@ class SourceConsumer:
         a redrive homed here was refused for ever. The offset the consumer would start from anyway (earliest, or
         latest when the config says so) is committed: it changes nothing of what is consumed."""
         assert self._consumer is not None
-        policy = str({**self.config.kafka.consumer}.get("auto.offset.reset", "earliest"))
+        policy = str(self.config.kafka.consumer.get("auto.offset.reset", "earliest"))
         try:
             low, high = await self._call(self._consumer.get_watermark_offsets, TopicPartition(*tp), 10.0, False)
         except KafkaException as e:

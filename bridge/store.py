@@ -159,8 +159,8 @@ class Store:
             await store._in_thread(store._prepare, synchronous, busy_timeout)
         except Exception as e:  # also a broken install (no migrations folder): never leave the thread running
             await db.close()
-            raise StoreError(f"{path}: {type(e).__name__}: {e}" if not isinstance(e, (sqlite3.Error, StoreError))
-                             else f"{path}: {e}") from e
+            detail = str(e) if isinstance(e, sqlite3.Error | StoreError) else f"{type(e).__name__}: {e}"
+            raise StoreError(f"{path}: {detail}") from e
         try:
             store._reader = await aiosqlite.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=busy_timeout)
             store._reader.row_factory = sqlite3.Row
