@@ -104,6 +104,7 @@ class ChangelogWriter:
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
+        self._rounds = 0  # rounds that succeeded
         self.healthy = True
         self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
         # Where the rounds' time goes (one round at a time: these add up to the writer's busy time).
@@ -116,19 +117,30 @@ class ChangelogWriter:
         self._waiters.setdefault(task_id, []).append(callback)
 
     async def logged(self, task_id: str, within: float) -> bool:
-        """Wait until the task's stored state is in the changelog (True), at most `within` seconds (False)."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        """Wait until the task's stored state is in the changelog and the source offsets of that moment are
+        committed (True), at most `within` seconds (False). A round takes its offsets before it logs its tasks, so
+        the offset a newly stored task frees is committed by the round after: without waiting for it, a handler
+        that kills the process left its record uncommitted, and on a new disk it ran again inline, uncounted."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        done: asyncio.Future[int] = loop.create_future()
 
         def resolve() -> None:
             if not done.done():
-                done.set_result(True)
+                done.set_result(self._rounds)
 
         self.when_logged(task_id, resolve)
         self._kick.set()
         try:
-            return bool(await asyncio.wait_for(done, within))
+            during = await asyncio.wait_for(done, within)
+            while self._rounds < during + 2:  # the round that logged it ends, then one that reads offsets after
+                if loop.time() >= deadline:
+                    return False
+                self._kick.set()
+                await asyncio.sleep(min(0.02, max(0.0, deadline - loop.time())))
         except TimeoutError:
             return False
+        return True
 
     def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
                     headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
@@ -210,7 +222,9 @@ class ChangelogWriter:
     async def _one_round(self) -> bool:
         async with self._round_lock:
             try:
-                return await self._round()
+                ok = await self._round()
+                self._rounds += ok  # a round that succeeded: its offsets, read at its start, are committed
+                return ok
             except StoreError as e:
                 log.error("changelog round failed on the store (retrying): %s", e)
                 return False
