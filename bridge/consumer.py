@@ -35,7 +35,7 @@ from bridge.config import BridgeConfig
 from bridge.first_delivery import FirstDelivery, Ran
 from bridge.lanes import CpuLoad, Lane
 from bridge.live_config import LiveConfig
-from bridge.model import Status, key_of_order_key, order_key_of
+from bridge.model import Status, key_of_order_key, order_key_of, parse_order_key
 from bridge.offsets import PartitionTracker
 from bridge.records import SourceRecord
 from bridge.store import Store, StoreError
@@ -323,6 +323,18 @@ class SourceConsumer:
                 except StoreError:
                     continue
                 lane.unblock({key: blocked[key] for order_key, key in by_order_key.items() if order_key not in still})
+
+    def block_order_keys(self, order_keys: set[str]) -> None:
+        """ordering: key — tasks of these keys are about to be redriven: the lanes of their partitions park the
+        keys' new records behind them (a record already running ends first)."""
+        for order_key in order_keys:
+            try:
+                topic, partition, key = parse_order_key(order_key)
+            except ValueError:
+                continue
+            lane = self._lanes.get((topic, partition))
+            if lane is not None and lane.ordered:
+                lane.block(key)
 
     def _lane(self, tp: TP) -> Lane:
         lane = self._lanes.get(tp)

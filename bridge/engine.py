@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from bridge.clock import Clock, SystemClock
 from bridge.live_config import LiveConfig
@@ -41,6 +42,9 @@ class Engine:
         self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.threads,
                                    on_dead=self._on_dead, telemetry=self.telemetry)
         self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change, telemetry=self.telemetry)
+        # ordering: key — told the keys of tasks about to be redriven, so the lanes running their partitions park
+        # the keys' new records behind them instead of running them beside (set by the service: the consumer).
+        self.before_redrive: Callable[[set[str]], None] | None = None
 
     def _threads_for(self, name: str) -> int:
         """A queue's retries (`concurrency`) plus one partition's first deliveries (`partition_concurrency`)."""
@@ -63,6 +67,10 @@ class Engine:
     async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None,
                            key_id: str | None = None, max_redrives: int | None = None) -> list[str]:
         """Redrive each DEAD task of `ids` (one store transaction); returns those redriven."""
+        if self.before_redrive is not None:
+            # Before the store's transaction: once a task is PENDING, no new record of its key may start inline.
+            # A key blocked for a task that is then not redriven is unblocked by the lane's refresh.
+            self.before_redrive(await self.store.order_keys_of(ids))
         done = await self.store.redrive_many(ids, self.clock.now_ms(), by, request_id, key_id, max_redrives)
         for task in done:
             self.telemetry.metrics.redrives.labels(task.queue).inc()

@@ -258,6 +258,12 @@ class Lane:
                 self._blocked.setdefault(key, [0, 0])
             self.keys_loaded = True
 
+    def block(self, key: bytes) -> None:
+        """A task of this key is about to become due outside the lane (a redrive): its later records park behind
+        it. A new generation, so a refresh that asked the store before the task was due cannot unblock it."""
+        with self._lock:
+            self._blocked.setdefault(key, [0, 0])[0] += 1
+
     def blocked_keys(self) -> dict[bytes, int]:
         """The blocked keys with nothing on its way into the store, and their generation (for `unblock`)."""
         with self._lock:

@@ -310,13 +310,18 @@ def order_key_of(topic: str, partition: int, key: bytes | None) -> str | None:
 
 
 def key_of_order_key(order_key: str) -> bytes:
-    """The record key an ordering key was made of (order_key_of's inverse). A topic name has no `/` and a partition
-    is a number, so the key's base64 is everything after the second `/` (base64 itself holds `/` for about 30% of
-    random 16-byte keys: never split from the right)."""
+    """The record key an ordering key was made of (order_key_of's inverse)."""
+    return parse_order_key(order_key)[2]
+
+
+def parse_order_key(order_key: str) -> tuple[str, int, bytes]:
+    """(topic, partition, record key) of an ordering key. A topic name has no `/` and a partition is a number, so
+    the key's base64 is everything after the second `/` (base64 itself holds `/` for about 30% of random 16-byte
+    keys: never split from the right)."""
     parts = order_key.split("/", 2)
     if len(parts) != 3 or not parts[1].isdigit():
         raise ValueError(f"not an ordering key: {order_key[:120]!r}")
-    return base64.b64decode(parts[2], validate=True)
+    return parts[0], int(parts[1]), base64.b64decode(parts[2], validate=True)
 
 
 @dataclass(frozen=True)

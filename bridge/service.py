@@ -104,6 +104,7 @@ class Bridge:
                                        lambda: make_consumer(config), grace,
                                        paused_queues=self.engine.scheduler.held_queues, changelog=self.changelog)
         self.delivery.on_store_health = self.consumer.set_store_health
+        self.engine.before_redrive = self.consumer.block_order_keys
         self.admin: AdminLoop | None = None
         if config.admin is not None:
             changelog = self.changelog is not None

@@ -588,6 +588,12 @@ class Store:
         rows = await self._submit(lambda c: c.execute(q("order_open_of"), params).fetchall())
         return {r[0] for r in rows}
 
+    async def order_keys_of(self, ids: Iterable[str]) -> set[str]:
+        """The ordering keys of these tasks (those of queues with ordering: key)."""
+        params = {"ids": json.dumps(list(ids))}
+        rows = await self._read(lambda c: c.execute(q("order_keys_of"), params).fetchall())
+        return {r[0] for r in rows}
+
     async def order_head(self, task: Task) -> dict[str, Any] | None:
         """What a parked task waits behind: its key's earliest task not parked and not finished (or holding)."""
         if task.order_key is None:
@@ -706,6 +712,7 @@ class Store:
                 "dead_reason_type": reason.type if reason else "rdq.Unknown",
                 "dead_reason_message": reason.message if reason else "", "dlq_topic": topic,
                 "dlq_partition": partition, "dlq_offset": offset, **home_params(home or task.home),
+                "order_key": task.order_key, "order_seq": task.order_seq,
             })  # fmt: skip
             for seq, attempt in enumerate(task.attempts, start=1):
                 conn.execute(q("insert_attempt_copy"), {**attempt.params(task.id), "seq": seq})

@@ -45,6 +45,7 @@ class Recorder:
         self.done: list[tuple[str, int, int, float]] = []
         self.running: dict[str, int] = {}
         self.overlaps: list[str] = []
+        self.slow: dict[tuple[str, int], float] = {}  # (key, seq) → seconds it takes
         self.lock = threading.Lock()
 
     def __call__(self, ctx: HandlerContext) -> None:
@@ -55,7 +56,7 @@ class Recorder:
                 self.overlaps.append(f"{key}/{seq}")  # two records of one key at once
             self.running[key] = self.running.get(key, 0) + 1
         try:
-            time.sleep(0.0005)
+            time.sleep(self.slow.get((key, seq), 0.0005))
             if (key, seq) in self.permanent:
                 raise Permanent(f"{key}/{seq} cannot succeed")
             if self.fail.get((key, seq), 0) >= ctx.attempt:
@@ -184,6 +185,29 @@ async def test_on_dead_release_lets_the_key_go_on_past_its_dead_head(kafka: Kafk
         assert recorder.seqs("none") == [1, 2, 0]  # not held back by the keyless record 0's retry (3 s later)
         counts = (await bridge.store.counts())["q"]
         assert counts["DEAD"] == 1 and counts["PARKED"] == 0
+
+
+async def test_a_redriven_record_runs_before_its_keys_records_that_arrive_while_it_runs(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """A redrive makes a dead record due in the scheduler while its lane runs the key's new records inline: the
+    lane must park them behind it (SPEC §12 with §7.3), not run them beside it."""
+    recorder = Recorder({}, permanent={("k0", 1)})
+    registry = Registry()
+    registry.register("recorder", recorder)
+    config = ordered_config(kafka, tmp_path, unique)  # on_dead: release
+    async with running_bridge(config, registry) as bridge:
+        produce(config, f"in-{unique}", records(1, 5))
+        await wait_until(lambda: len(recorder.done) == 4, what="every record but the dead one")
+        [dead] = await bridge.store.list_tasks("q", Status.DEAD)
+        lanes = bridge.consumer._lanes.values()
+        await wait_until(lambda: not any(lane.blocked_keys() for lane in lanes), what="k0 free (its head is dead)")
+        recorder.permanent.clear()
+        recorder.slow[("k0", 1)] = 1.5  # fixed now, and slow: the key's next records arrive while it runs
+        assert await bridge.engine.redrive(dead.id)
+        produce(config, f"in-{unique}", [(b"k0", json.dumps({"key": "k0", "seq": n}).encode(), []) for n in (5, 6)])
+        await wait_until(lambda: len(recorder.done) == 7, what="the redriven record and the two after it")
+        assert recorder.overlaps == []
+        assert recorder.seqs("k0") == [0, 2, 3, 4, 1, 5, 6]
 
 
 def test_sigkill_while_records_are_parked_keeps_each_keys_order_and_loses_nothing(kafka: KafkaEnv, tmp_path: Path,

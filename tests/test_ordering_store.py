@@ -147,3 +147,61 @@ async def test_a_redelivered_record_older_than_its_keys_task_is_not_parked_again
 def test_an_ordering_key_gives_back_its_record_key(topic: str, partition: int, key: bytes) -> None:
     order_key = order_key_of(topic, partition, key)
     assert order_key is not None and key_of_order_key(order_key) == key
+
+
+async def test_a_bulk_redrive_runs_a_keys_dead_records_in_offset_order(store: Store) -> None:
+    """Bulk redrive took a queue's DEAD tasks oldest death first: the key's later record, dead before its earlier
+    one was redriven alone and died again, went first and the earlier one parked behind it (SPEC §12 with §13)."""
+    first = await store.submit(head(1))
+    second = await store.submit(parked(2))
+    await run(store, first, Outcome.PERMANENT_FAILURE, T0 + 10)  # on_dead release: the second runs
+    await run(store, second, Outcome.PERMANENT_FAILURE, T0 + 11)
+    assert await store.redrive(first, T0 + 12)
+    await run(store, first, Outcome.PERMANENT_FAILURE, T0 + 13)  # now the first died last
+    ids = await store.dead_ids("q")
+    assert sorted(ids) == sorted([first, second])
+    assert len(await store.redrive_many(ids, T0 + 14)) == 2
+    assert await status(store, first, second) == ["PENDING", "PARKED"]
+    await run(store, first, Outcome.SUCCESS, T0 + 15)
+    assert await status(store, second) == ["PENDING"]
+
+
+async def test_a_task_recreated_from_its_dlq_record_keeps_its_place_in_its_key(store: Store) -> None:
+    """Redrive from a DLQ record after the store purged the task re-creates it: without its ordering fields it ran
+    beside the record of its key running now."""
+    first = await store.submit(head(1))
+    second = await store.submit(parked(2))
+    await run(store, first, Outcome.PERMANENT_FAILURE, T0 + 10)
+    assert await status(store, second) == ["PENDING"]
+    envelope = await store.get(first)
+    assert envelope is not None
+    await store.mark_dlq_published(envelope, "dlq", 0, 7, T0 + 11)
+    assert await store.purge_task(first)
+    assert await store.recreate_dead(envelope, "dlq", 0, 7)
+    recreated = await store.get(first)
+    assert recreated is not None and (recreated.order_key, recreated.order_seq) == (KEY, 1)
+    assert not recreated.order_hold  # its hold (if any) ended when its DLQ record was acknowledged and it purged
+    assert await store.redrive(first, T0 + 12)
+    assert await status(store, first, second) == ["PARKED", "PENDING"]
+    await run(store, second, Outcome.SUCCESS, T0 + 13)
+    assert await status(store, first) == ["PENDING"]
+
+
+async def test_a_key_held_by_a_dead_record_is_not_released_by_another_of_its_records(store: Store) -> None:
+    """on_dead: hold — a dead record that holds its key but is not its head (an earlier record was redriven, or a
+    record behind it timed out) still holds it: the release trigger looked only for a running or due task."""
+    holding = await store.submit(head(1, hold=True))
+    stale = await store.submit(parked(2, now=T0 - 10_000))  # stored with on_dead release (a config change)
+    waiting = await store.submit(parked(3, hold=True))
+    await run(store, holding, Outcome.PERMANENT_FAILURE, T0 + 10)
+    assert await status(store, holding, stale, waiting) == ["DEAD", "PARKED", "PARKED"]
+    assert await store.time_out("q", T0 - 5_000, T0 + 11, "queue_timeout") == 1  # the stale one dies, releasing
+    assert await status(store, stale, waiting) == ["DEAD", "PARKED"]  # … nothing: the key is held by the first
+    assert await store.redrive(stale, T0 + 12)  # a later record redriven while an earlier one holds its key
+    assert await status(store, stale, waiting) == ["PARKED", "PARKED"]
+    assert await store.redrive(holding, T0 + 13)
+    assert await status(store, holding) == ["PENDING"]
+    await run(store, holding, Outcome.SUCCESS, T0 + 14)
+    assert await status(store, stale, waiting) == ["PENDING", "PARKED"]  # in offset order
+    await run(store, stale, Outcome.SUCCESS, T0 + 15)
+    assert await status(store, waiting) == ["PENDING"]

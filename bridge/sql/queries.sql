@@ -195,17 +195,22 @@ UPDATE tasks SET version = version + 1, fetched_at = :now
  WHERE id = :id AND status IN ('SUCCEEDED', 'DEAD') AND fetched_at IS NULL;
 
 -- name: redrive
--- Of a key (ordering: key) with a task running or due now, it waits PARKED, at the front (its order_seq is the
--- smallest of the key's): the key's head runs alone.
+-- Of a key (ordering: key) with a task running or due now, or an earlier record dead and holding the key
+-- (on_dead: hold), it waits PARKED; its order_seq puts it in its place among the key's parked records (at the front
+-- for a redriven head): the key's records run one at a time, in offset order.
 UPDATE tasks
    SET version = version + 1,
        status = CASE WHEN order_key IS NOT NULL AND EXISTS (
                   SELECT 1 FROM tasks o WHERE o.order_key = tasks.order_key AND o.id != tasks.id
-                     AND o.status IN ('PENDING', 'IN_FLIGHT')) THEN 'PARKED' ELSE 'PENDING' END,
+                     AND (o.status IN ('PENDING', 'IN_FLIGHT')
+                          OR (o.status = 'DEAD' AND o.order_hold = 1 AND o.order_seq < tasks.order_seq)))
+                  THEN 'PARKED' ELSE 'PENDING' END,
        attempt_count = 0, redrive_count = redrive_count + 1,
        next_attempt_at = CASE WHEN order_key IS NOT NULL AND EXISTS (
                   SELECT 1 FROM tasks o WHERE o.order_key = tasks.order_key AND o.id != tasks.id
-                     AND o.status IN ('PENDING', 'IN_FLIGHT')) THEN NULL ELSE :now END,
+                     AND (o.status IN ('PENDING', 'IN_FLIGHT')
+                          OR (o.status = 'DEAD' AND o.order_hold = 1 AND o.order_seq < tasks.order_seq)))
+                  THEN NULL ELSE :now END,
        life_started_at = :now, finished_at = NULL, fetched_at = NULL, dead_reason_type = NULL,
        dead_reason_message = NULL, dlq_state = NULL, dlq_topic = NULL, dlq_partition = NULL, dlq_offset = NULL,
        dlq_failures = 0, dlq_next_at = NULL, dlq_error = NULL
@@ -293,7 +298,11 @@ SELECT id, redrive_count FROM tasks
         OR (instr(:error_type, '.') = 0 AND substr(dead_reason_type, -length(:error_type) - 1) = '.' || :error_type))
    AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
    AND id NOT IN (SELECT value FROM json_each(:exclude))
- ORDER BY finished_at LIMIT :limit;
+ -- Oldest death first; the records of one key (ordering: key) together, in offset order, from the key's oldest
+ -- death: redriven in order, the first runs and the others park behind it.
+ ORDER BY CASE WHEN order_key IS NULL THEN finished_at ELSE MIN(finished_at) OVER (PARTITION BY order_key) END,
+          order_key, order_seq, id
+ LIMIT :limit;
 
 -- name: redrive_outcomes
 -- Where the tasks of one redrive request are now. `tried`: an attempt ran since the redrive (attempt_count is reset
@@ -369,15 +378,16 @@ DELETE FROM tasks
 RETURNING id, home_topic, home_partition;
 
 -- name: insert_task_copy
--- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept.
+-- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept, its place in
+-- its key kept (ordering: key); it holds the key no more (its hold ended when it was acknowledged and purged).
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
                    dead_reason_type, dead_reason_message, dlq_state, dlq_topic, dlq_partition, dlq_offset,
-                   source_ref, home_topic, home_partition)
+                   source_ref, home_topic, home_partition, order_key, order_seq, order_hold)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, 'DEAD',
         :attempt_count, :redrive_count, NULL, :created_at, :created_at, :finished_at,
         :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL,
-        :home_topic, :home_partition);
+        :home_topic, :home_partition, :order_key, :order_seq, 0);
 
 -- name: insert_attempt_copy
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
@@ -517,6 +527,9 @@ SELECT DISTINCT order_key FROM tasks
 SELECT DISTINCT order_key FROM tasks
  WHERE order_key IN (SELECT value FROM json_each(:keys))
    AND (status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (status = 'DEAD' AND order_hold = 1));
+
+-- name: order_keys_of
+SELECT DISTINCT order_key FROM tasks WHERE id IN (SELECT value FROM json_each(:ids)) AND order_key IS NOT NULL;
 
 -- name: order_head
 -- What a parked task waits for: the key's earliest task that is not parked and not finished (or a held dead one).
