@@ -155,7 +155,10 @@ class SourceConsumer:
         unreadable = await local.unreadable_counts()
         for name, n in unreadable.items():
             self.changelog.telemetry.metrics.changelog_unreadable.labels(name).set(n)
-        return {"partitions": partitions, "unreadable": unreadable,
+        quarantined = await local.quarantined_counts()
+        for name in unreadable:  # a quarantine that ended shows 0
+            self.changelog.telemetry.metrics.changelog_quarantined.labels(name).set(quarantined.get(name, 0))
+        return {"partitions": partitions, "unreadable": unreadable, "quarantined": quarantined,
                 "transactions": dict(self.changelog.writer.stats)}
 
     def group_metadata(self) -> Any | None:

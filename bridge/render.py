@@ -61,11 +61,12 @@ def _stats(replies: list[dict[str, Any]]) -> str:
     if partitions:
         out += "\n\n" + table(["INSTANCE", "PARTITION", "OPEN", "CHANGELOG-LAG", "STATE", "RESTORED", "SECONDS",
                                 "UNREADABLE"], partitions)
-    unreadable = [[r["instance"], name, n] for r in replies
+    unreadable = [[r["instance"], name, n, r["result"].get("changelog", {}).get("quarantined", {}).get(name, 0)]
+                  for r in replies
                   for name, n in sorted(r["result"].get("changelog", {}).get("unreadable", {}).items())]
     if unreadable:
-        out += "\n\n" + table(["INSTANCE", "CHANGELOG-PARTITION", "UNREADABLE-RECORDS (kept, see the store)"],
-                               unreadable)
+        out += "\n\n" + table(["INSTANCE", "CHANGELOG-PARTITION", "UNREADABLE-RECORDS (kept, see the store)",
+                                "QUARANTINED-TASKS (not run)"], unreadable)
     return out
 
 

@@ -76,6 +76,9 @@ class Metrics:
                                          ["result"], registry=r)
         self.changelog_unreadable = Gauge("rdq_changelog_unreadable", "Changelog records this bridge could not "
                                           "read (kept in the store, see `rdq stats`)", ["partition"], registry=r)
+        self.changelog_quarantined = Gauge("rdq_changelog_quarantined", "Tasks whose last changelog record this "
+                                           "bridge cannot read: held, not run (see `rdq stats`)", ["partition"],
+                                           registry=r)
         self.restoring = Gauge("rdq_partition_restoring", "1 while a source partition's tasks are restored from "
                                "its changelog (not consumed meanwhile)", ["partition"], registry=r)
         self.restored_tasks = Gauge("rdq_partition_restored_tasks", "Tasks restored at the last assignment",

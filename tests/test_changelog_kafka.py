@@ -323,9 +323,12 @@ async def test_an_unreadable_changelog_record_is_kept_counted_and_skipped(kafka:
         assert "rdq.task/v9" in rows[1][2]
         status = await bridge.consumer.changelog_status()
         assert status["unreadable"] == {f"{changelog}/0": 2}
+        assert status["quarantined"] == {f"{changelog}/0": 2}  # the tasks of those keys, if any: held, not run
         assert status["partitions"][f"in-{unique}/0"]["restoring"] is False
         gauge = bridge.telemetry.metrics.changelog_unreadable.labels(f"{changelog}/0")
         await wait_until(lambda: gauge._value.get() == 2, within=10, what="metric")
+        held = bridge.telemetry.metrics.changelog_quarantined.labels(f"{changelog}/0")
+        assert held._value.get() == 2
         # The bridge runs on: a record is handled (and its failure restored later) as usual.
         produce(config, f"in-{unique}", [(b"k", b'{"fail": 0}', [])])
         await wait_until(lambda: bridge.consumer.stats["records"] == 1, within=30, what="consumed")

@@ -3,6 +3,11 @@
 `{"schema": "rdq.task/v1", "version": n, "task": {...}, "attempts": [...], "redrives": [...]}`; times are integer
 milliseconds since the Unix epoch (restore speed: no date parsing), the payload is base64. `version` counts the
 task's durable transitions. A purged task's record is a tombstone (no value).
+
+The schema is versioned by meaning: a record whose reader must know something an earlier release did not is
+written under a new schema, so a bridge rolled back reads what it can and quarantines the rest (never reads a
+state it does not understand as one it does). `rdq.task/v2`: a task of a queue with `ordering: key` (the PARKED
+status, `order_key`/`order_seq`/`order_hold`); every other task is still written as `rdq.task/v1`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from typing import Any
 import orjson  # several times faster than json at both ends: restore speed is a partition's downtime
 
 SCHEMA = "rdq.task/v1"
+SCHEMA_ORDERED = "rdq.task/v2"
+READABLE = frozenset({SCHEMA, SCHEMA_ORDERED})
+_STATUSES = frozenset({"PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD", "PARKED"})
+_DLQ_STATES = frozenset({None, "PENDING", "PUBLISHED"})
 
 _TASK_FIELDS = (
     "id", "queue", "handler_ref", "handler_version", "payload_content_type", "status", "attempt_count",
@@ -44,7 +53,7 @@ def encode(task: sqlite3.Row | dict[str, Any], attempts: list[Any], redrives: li
     if overrides:
         body.update(overrides)
     record = {
-        "schema": SCHEMA,
+        "schema": SCHEMA_ORDERED if body.get("order_key") is not None else SCHEMA,
         "version": version,
         "task": body,
         "attempts": [{name: a[name] for name in _ATTEMPT_FIELDS} for a in attempts],
@@ -67,8 +76,8 @@ def decode(key: bytes | None, value: bytes) -> Restored:
     try:
         record = orjson.loads(value)
         schema = record.get("schema") if isinstance(record, dict) else None
-        if schema != SCHEMA:
-            raise Unreadable(f"unknown schema {schema!r} (this bridge reads {SCHEMA})")
+        if schema not in READABLE:
+            raise Unreadable(f"unknown schema {schema!r} (this bridge reads {', '.join(sorted(READABLE))})")
         body = record["task"]
         version = int(record["version"])
         task = {name: body.get(name) for name in _TASK_FIELDS}
@@ -78,6 +87,7 @@ def decode(key: bytes | None, value: bytes) -> Restored:
             raise Unreadable("the task has no id, queue or handler_ref")
         if key is not None and key.decode("utf-8", "replace") != task["id"]:
             raise Unreadable(f"the record key {key!r} is not the task id {task['id']!r}")
+        _check_state(task)
         headers = body.get("headers") or {}
         if not isinstance(headers, dict):
             raise Unreadable("headers is not an object")
@@ -98,3 +108,22 @@ def decode(key: bytes | None, value: bytes) -> Restored:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as e:  # json, base64, int(), fields
         raise Unreadable(f"{type(e).__name__}: {e}") from e
+
+
+def _check_state(task: dict[str, Any]) -> None:
+    """The store's own rules on a state, checked before it is written: a record that breaks one would fail its
+    whole restore batch (and the partition would retry for ever, unready)."""
+    # v1 records written by the release that brought ordering carry PARKED too: one status set for both.
+    if task["status"] not in _STATUSES:
+        raise Unreadable(f"unknown status {str(task['status'])[:40]!r}")
+    if task["dlq_state"] not in _DLQ_STATES:
+        raise Unreadable(f"unknown dlq_state {str(task['dlq_state'])[:40]!r}")
+    if (task["status"] == "IN_FLIGHT") != (task["lease_expires_at"] is not None):
+        raise Unreadable("a lease must be set exactly while IN_FLIGHT")
+    if (task["status"] in ("SUCCEEDED", "DEAD", "PARKED")) != (task["next_attempt_at"] is None):
+        raise Unreadable(f"next_attempt_at must be set exactly while PENDING or IN_FLIGHT (status {task['status']})")
+    if task["status"] == "PARKED" and not isinstance(task["order_key"], str):
+        raise Unreadable("a PARKED task needs an order_key")
+    for name in ("next_attempt_at", "lease_expires_at", "finished_at", "fetched_at", "order_seq", "home_partition"):
+        if task[name] is not None and (not isinstance(task[name], int) or isinstance(task[name], bool)):
+            raise Unreadable(f"{name} is not an integer")

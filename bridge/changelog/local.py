@@ -49,6 +49,16 @@ def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute(q("restore_guard_off"))
 
 
+def _task_id_of(key: bytes | None) -> str | None:
+    """The task an unreadable record is of: its record key (the task id; compaction keeps a key's last record)."""
+    if not key:
+        return None
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 class LocalIndex:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -172,7 +182,8 @@ class LocalIndex:
                             records: list[tuple[int, bytes | None, bytes | None]], seen: set[str], now: int,
                             errors: list[str], existing: frozenset[str] = frozenset()) -> RestoreBatch:
         """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
-        is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore.
+        is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore;
+        its task is quarantined (`_quarantine`): not restored from its earlier records.
 
         In bulk: only each task's last record in the batch counts (a later one holds its whole state), and the
         batch's tasks are replaced with a few `executemany`, not statement by statement."""
@@ -180,39 +191,77 @@ class LocalIndex:
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
             last: dict[str, Restored | None] = {}
+            held: dict[str, tuple[int, str]] = {}  # task id → (offset, why) of its unreadable last record
+            raw: dict[str, tuple[int, bytes | None, bytes]] = {}  # task id → its last readable record, as read
             for offset, key, value in records:
                 if value is None:
                     task_id = (key or b"").decode("utf-8", "replace")
                     last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
                     last[task_id] = None
+                    held.pop(task_id, None)
                     result.tombstones += 1
                     continue
                 try:
                     restored = decode(key, value)
                 except Unreadable as e:
-                    conn.execute(q("unreadable_add"), {"topic": changelog_topic, "partition": home[1],
-                                                       "offset": offset, "key": key, "value": value,
-                                                       "error": str(e), "now": now})
-                    errors.append(f"{changelog_topic}/{home[1]}/{offset}: {e}")
+                    self._unreadable(conn, changelog_topic, home[1], offset, key, value, str(e), now, errors)
                     result.unreadable += 1
+                    owner = _task_id_of(key)
+                    if owner is not None:
+                        last.pop(owner, None)
+                        held[owner] = (offset, str(e))
                     continue
-                last.pop(restored.task["id"], None)
-                last[restored.task["id"]] = restored
+                task_id = restored.task["id"]
+                last.pop(task_id, None)
+                last[task_id] = restored
+                held.pop(task_id, None)
+                raw[task_id] = (offset, key, value)
                 result.applied += 1
             with _guarded(conn):
-                self._replace(conn, last, seen | existing)
+                refused = self._replace(conn, last, seen | existing)
+                for task_id, why in refused.items():
+                    offset, key, value = raw[task_id]
+                    self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
+                    held[task_id] = (offset, why)
+                    del last[task_id]
+                    result.applied -= 1
+                    result.unreadable += 1
+                self._quarantine(conn, changelog_topic, home[1], held, now)
             for task_id, state in last.items():
+                conn.execute(q("quarantine_end"), {"task_id": task_id})
                 if state is None:
                     seen.discard(task_id)
                 else:
                     seen.add(task_id)
+            seen.difference_update(held)
             return result
 
         return await self.store._submit(apply)
 
-    def _replace(self, conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> None:
+    @staticmethod
+    def _unreadable(conn: sqlite3.Connection, topic: str, partition: int, offset: int, key: bytes | None,
+                    value: bytes, why: str, now: int, errors: list[str]) -> None:
+        conn.execute(q("unreadable_add"), {"topic": topic, "partition": partition, "offset": offset, "key": key,
+                                           "value": value, "error": why, "now": now})
+        errors.append(f"{topic}/{partition}/{offset}: {why}")
+
+    def _quarantine(self, conn: sqlite3.Connection, topic: str, partition: int, held: dict[str, tuple[int, str]],
+                    now: int) -> None:
+        """Tasks whose last changelog record this bridge cannot read: their earlier state must not win (a DEAD,
+        published task would come back PENDING and be dead-lettered twice), so the local copy goes and the task
+        is held in changelog_quarantine (not runnable; `rdq stats`) until a record it can read, or a tombstone,
+        comes. The record stays in the changelog (compaction keeps a key's last record) for a bridge that reads
+        it."""
+        for task_id, (offset, why) in held.items():
+            self._delete(conn, task_id)
+            conn.execute(q("quarantine_add"), {"task_id": task_id, "topic": topic, "partition": partition,
+                                               "offset": offset, "error": why, "now": now})
+
+    def _replace(self, conn: sqlite3.Connection, last: dict[str, Restored | None],
+                 known: set[str]) -> dict[str, str]:
         """`known`: the tasks this file may hold (found at the start of the restore, or restored since); the
-        others are new here: nothing to delete first.
+        others are new here: nothing to delete first. Returns the records the store refused (a rule of its
+        schema broken: task id → why), restored as none.
 
         The higher version wins, the changelog's at a tie: a transition this file made and the changelog never
         acknowledged (a claim written just before the handler killed the process) is newer than the changelog's
@@ -233,9 +282,35 @@ class LocalIndex:
             marks = ",".join("?" * len(chunk))
             for (twin,) in conn.execute(q("source_ref_holders").replace(":refs", marks), chunk).fetchall():
                 self._delete(conn, twin)
+        conn.execute("SAVEPOINT restore_insert")
+        try:
+            self._insert(conn, kept)
+        except sqlite3.IntegrityError:
+            # One record breaks a rule the codec does not know of: the others are restored one by one.
+            conn.execute("ROLLBACK TO restore_insert")
+            return self._insert_each(conn, kept)
+        finally:
+            conn.execute("RELEASE restore_insert")
+        return {}
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, kept: list[Restored]) -> None:
         conn.executemany(q("restore_task"), [{**r.task, "version": r.version} for r in kept])
         conn.executemany(q("insert_attempt_copy"), [a for r in kept for a in r.attempts])
         conn.executemany(q("restore_insert_redrive"), [x for r in kept for x in r.redrives])
+
+    def _insert_each(self, conn: sqlite3.Connection, kept: list[Restored]) -> dict[str, str]:
+        refused = {}
+        for restored in kept:
+            conn.execute("SAVEPOINT restore_one")
+            try:
+                self._insert(conn, [restored])
+            except sqlite3.IntegrityError as e:
+                conn.execute("ROLLBACK TO restore_one")
+                refused[restored.task["id"]] = f"the store refused it: {e}"
+            finally:
+                conn.execute("RELEASE restore_one")
+        return refused
 
     @staticmethod
     def _newer_here(conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> set[str]:
@@ -279,6 +354,10 @@ class LocalIndex:
     async def partitions_status(self) -> dict[str, dict[str, int]]:
         rows = await self.store._scan(lambda c: c.execute(q("partitions_status")).fetchall())
         return {f"{r[0]}/{r[1]}": {"open": r[2], "changelog_lag": r[3]} for r in rows}
+
+    async def quarantined_counts(self) -> dict[str, int]:
+        rows = await self.store._scan(lambda c: c.execute(q("quarantine_count")).fetchall())
+        return {f"{r[0]}/{r[1]}": r[2] for r in rows}
 
     async def unreadable_counts(self) -> dict[str, int]:
         rows = await self.store._scan(lambda c: c.execute(q("unreadable_count")).fetchall())

@@ -503,6 +503,16 @@ VALUES (:topic, :partition, :offset, :key, :value, :error, :now) ON CONFLICT DO 
 -- name: unreadable_count
 SELECT topic, partition, COUNT(*) AS n FROM changelog_unreadable GROUP BY topic, partition;
 
+-- name: quarantine_add
+INSERT OR REPLACE INTO changelog_quarantine (task_id, topic, partition, offset, error, seen_at)
+VALUES (:task_id, :topic, :partition, :offset, :error, :now);
+
+-- name: quarantine_end
+DELETE FROM changelog_quarantine WHERE task_id = :task_id;
+
+-- name: quarantine_count
+SELECT topic, partition, COUNT(*) AS n FROM changelog_quarantine GROUP BY topic, partition;
+
 -- name: partitions_status
 -- Per home partition: open tasks, and transitions not yet in the changelog (its lag, in transitions' tasks).
 SELECT home_topic, home_partition,
