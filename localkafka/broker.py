@@ -87,9 +87,13 @@ def _java() -> str:
 class LocalBroker:
     """One broker+controller process on 127.0.0.1. `stop()` then `start()` keeps ports and data."""
 
-    def __init__(self, workdir: Path | None = None, port: int | None = None, controller_port: int | None = None):
+    def __init__(self, workdir: Path | None = None, port: int | None = None, controller_port: int | None = None,
+                 advertised_port: int | None = None):
+        """`advertised_port`: the port clients are told to use (a proxy in front of this broker, for fault
+        tests); the broker's own port by default."""
         self.workdir = _ensure_dir(workdir or Path(tempfile.mkdtemp(prefix="rdq-kafka-")))
         self.port = port or free_port()
+        self.advertised_port = advertised_port or self.port
         self.controller_port = controller_port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
@@ -109,7 +113,7 @@ class LocalBroker:
             "node.id": "1",
             "controller.quorum.voters": f"1@127.0.0.1:{self.controller_port}",
             "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.advertised_port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",

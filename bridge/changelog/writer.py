@@ -35,6 +35,8 @@ from bridge.telemetry import Telemetry
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
 _TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
+_COMMIT_PATIENCE = 300.0  # a commit resumed this long unacknowledged: the producer is replaced
+_ABORT_TRIES = 5  # aborts failed in a row: the producer is replaced
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
@@ -105,6 +107,7 @@ class ChangelogWriter:
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
         self._rounds = 0  # rounds that succeeded
+        self._abort_failures = 0  # aborts failed in a row
         self.healthy = True
         self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
         # Where the rounds' time goes (one round at a time: these add up to the writer's busy time).
@@ -318,10 +321,35 @@ class ChangelogWriter:
             offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
             self._producer.send_offsets_to_transaction(offsets, metadata, _TIMEOUT)
         sent = time.monotonic()
-        self._producer.commit_transaction(_TIMEOUT)
+        self._commit()
         if time.monotonic() - began > 1.0:
             log.warning("slow changelog transaction: offsets %.2fs, commit %.2fs", sent - began,
                         time.monotonic() - sent)
+
+    def _commit(self) -> None:
+        """librdkafka's rules: a commit that times out (or meets another retriable error) goes on in the
+        background, and calling `commit_transaction` again resumes it; it is never aborted — the broker may have
+        committed it, and its DLQ records would be dead-lettered again (and librdkafka refuses the abort anyway:
+        "conflicting commit_transaction API call", every round, for ever). Only an error that requires abort is
+        aborted (by the caller); past `_COMMIT_PATIENCE` the producer is replaced, whose `init_transactions`
+        waits for the old transaction's end."""
+        assert self._producer is not None
+        began = time.monotonic()
+        while True:
+            try:
+                self._producer.commit_transaction(_TIMEOUT)
+                return
+            except KafkaException as e:
+                error = e.args[0] if e.args else None
+                if not isinstance(error, KafkaError) or not error.retriable() or error.txn_requires_abort():
+                    raise
+                waited = time.monotonic() - began
+                if waited > _COMMIT_PATIENCE:
+                    # Fatal for this producer: replaced, its transaction's outcome is the broker's.
+                    raise KafkaException(KafkaError(KafkaError._FATAL, f"a commit unacknowledged for {waited:.0f} s: "
+                                                                       f"{error}", fatal=True)) from e
+                log.warning("changelog commit not acknowledged yet after %.0f s (resumed, not aborted: the broker "
+                            "may have committed it): %s", waited, error)
 
     async def _committed(self, work: _Round) -> None:
         self.stats["transactions"] += 1
@@ -376,13 +404,19 @@ class ChangelogWriter:
         if not fatal:
             try:
                 await self._call(self._producer.abort_transaction, 30.0)
+                self._abort_failures = 0
                 return
             except KafkaException as e:
-                if not e.args[0].fatal():
-                    log.warning("changelog abort failed (retried with the next round): %s", e)
+                failure = e.args[0]
+                self._abort_failures += 1
+                if failure.retriable() and not failure.fatal() and self._abort_failures < _ABORT_TRIES:
+                    log.warning("changelog abort failed (resumed with the next round): %s", e)
                     return
+                # Not retriable (librdkafka: treat it as fatal), or the same failure round after round (a state
+                # the abort cannot leave, e.g. a conflicting API call): left so, every round would fail for ever.
         log.warning("changelog producer hit a fatal error; starting a new one: %s", error)
         self._producer = None
+        self._abort_failures = 0
         stop = asyncio.Event()
         await self._start_producer(stop)
 

@@ -1,0 +1,73 @@
+"""The changelog's Kafka transaction under a slow coordinator (SPEC §10): a real broker behind a fault-injecting
+proxy (tests/kafka_proxy.py) that holds back the answer to one commit.
+
+librdkafka's rules: a `commit_transaction` that times out is *retriable* — the commit goes on in the background
+and calling it again resumes it; only an error that *requires abort* is aborted, a fatal one replaces the
+producer. Aborting a commit that timed out, which the broker may well have committed, dead-letters its records
+again: a DLQ duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bridge.model import Status
+from localkafka import BrokerError, LocalBroker
+from localkafka.broker import free_port
+from tests.kafka_helpers import aread_dlq, kafka_config, produce, running_bridge, wait_until
+from tests.kafka_proxy import KafkaProxy
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[tuple[LocalBroker, KafkaProxy]]:
+    """A broker of this test's own that advertises a proxy in front of it: all traffic goes through the proxy."""
+    port = free_port()
+    broker = LocalBroker(tmp_path / "kafka", advertised_port=port)
+    proxy = KafkaProxy(broker.port, port)
+    try:
+        broker.start()
+    except BrokerError as e:
+        proxy.close()
+        pytest.fail(f"the proxied broker failed to start: {e}", pytrace=False)
+    try:
+        yield broker, proxy
+    finally:
+        proxy.close()
+        broker.stop()
+
+
+async def test_a_commit_that_times_out_while_the_broker_commits_is_resumed_not_aborted(
+        proxied: tuple[LocalBroker, KafkaProxy], tmp_path: Path) -> None:
+    _, proxy = proxied
+    bootstrap = f"127.0.0.1:{proxy.port}"
+    config = kafka_config(bootstrap, tmp_path, "txn", {"q": {"handler": "permanent", "sources": ["in-txn"],
+                                                             "dlq_topic": "in-txn.dlq"}},
+                          kafka={"topic_partitions": 1})
+    # The commit that carries the DLQ record: the broker commits it, its answer comes 12 s late — after the
+    # writer's 10 s commit timeout.
+    proxy.hold_commit_after_produce_to("in-txn.dlq", 12.0)
+    async with running_bridge(config) as bridge:
+        produce(config, "in-txn", [(b"k", b"{}", [])])
+        await wait_until(lambda: proxy.held_answers == 1, within=60, what="the commit's answer held back")
+        [task] = await bridge.store.list_tasks("q", Status.DEAD)
+        await wait_until(lambda: _published(bridge, task.id), within=60, what="the DLQ publish acknowledged")
+        produce(config, "in-txn", [(b"k2", b"{}", [])])  # the writer goes on with the same producer
+        await wait_until(lambda: _dead_and_published(bridge, 2), within=60, what="a second record dead-lettered")
+        assert bridge.changelog is not None and bridge.changelog.writer.healthy
+    records = await aread_dlq(bootstrap, "in-txn.dlq", settle=3.0)
+    assert sorted(r.source for r in records) == ["kafka://in-txn/0/0", "kafka://in-txn/0/1"]  # once each
+
+
+async def _published(bridge: object, task_id: str) -> bool:
+    task = await bridge.store.get(task_id)  # type: ignore[attr-defined]
+    return task is not None and task.dlq_state == "PUBLISHED"
+
+
+async def _dead_and_published(bridge: object, n: int) -> bool:
+    tasks = await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[attr-defined]
+    return len(tasks) == n and all(t.dlq_state == "PUBLISHED" for t in tasks)
