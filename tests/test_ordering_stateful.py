@@ -1,9 +1,19 @@
-"""Per-key ordering under random interleavings (SPEC §12), property-based, on a real SQLite store: records of a few
-keys arrive (run inline when their key is free, parked when it is not, as a lane does), tasks are claimed and
-succeed, fail or die, heads are skipped or redriven, and the bridge "crashes" (the store closed and opened again,
-leases lost, what was running run again). After every step: never two tasks of a key running or due at once; a
-task runs only when it is the earliest unfinished record of its key; no parked task is left without a head that
-will release it."""
+"""Per-key ordering under random interleavings (SPEC §12), property-based, on a real SQLite store.
+
+Records of a few keys — binary ones, whose base64 holds `/`, and the empty key — arrive and are run inline or
+parked the way a lane decides: by the lane's *own* idea of which keys are blocked (blocked when a record becomes a
+task, read back from the store after a restart, blocked by a redrive, unblocked by a refresh when the store says
+the key is free), not by asking the store each time. Tasks are claimed and succeed, fail or die; heads are skipped
+or redriven, one at a time or in bulk; dead tasks are published and purged, and redriven again from their DLQ
+record; open tasks time out; the store is restored from the changelog's record of every task; and the bridge
+"crashes" (the store closed and opened again, leases lost, the lane's keys read back). After every step: never two
+tasks of a key running or due at once; a record runs only when nothing earlier of its key is open (parked, running,
+due, or dead and holding the key); no parked task is left without a head that will release it.
+
+Items 5-15 of issue 23 each break one of these (binary keys: the lane's keys read back; a restore that releases
+a held key; a bulk redrive out of order; a redrive from a DLQ record without its place; a dead non-head holding;
+a redrive beside a record the lane runs inline).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +25,17 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bridge.model import ErrorInfo, NewTask, Outcome, Status, Task, order_key_of
+from bridge.changelog.local import LocalIndex
+from bridge.model import ErrorInfo, NewTask, Outcome, Status, Task, key_of_order_key, order_key_of
 from bridge.store import RunReport, Store
 
-KEYS = [b"a", b"b", b"c"]
+# b"ab?" is YWI/ and b"?\xff" is P/8= in base64 (a `/` inside). Two keys: a bug needs a few steps of one key.
+KEYS = [b"ab?", b"?\xff"]
+HOLD = {b"ab?": False, b"?\xff": True}  # on_dead per key (two queues' worth)
 LEASE = 1.0
+HOME = ("t", 0)
 
 
 class Ordering(RuleBasedStateMachine):
@@ -33,9 +47,12 @@ class Ordering(RuleBasedStateMachine):
         self.now = 1_000_000
         self.offset = 0
         self.ids: list[str] = []
-        self.hold = {KEYS[0]: False, KEYS[1]: True, KEYS[2]: False}  # on_dead per key (two queues' worth)
+        self.hold = HOLD
         self.finished_inline: dict[bytes, list[int]] = {k: [] for k in KEYS}
         self.ran: list[tuple[bytes, int]] = []  # every handler run (inline or claimed), in order
+        self.lane_blocked: set[bytes] = set()  # the lane's own view (bridge/lanes.py), not the store's
+        self.purged: list[Task] = []  # dead tasks whose DLQ record was acknowledged and which were purged
+        self.ahead: dict[str, set[str]] = {}  # a redriven task → the tasks of its key running or due at its redrive
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -52,11 +69,17 @@ class Ordering(RuleBasedStateMachine):
     def tasks(self) -> list[Task]:
         return [t for t in (self.run(self.store.get(i)) for i in self.ids) if t is not None]
 
+    def has(self, *statuses: str) -> bool:
+        """Some task is in one of these states (a rule's precondition: steps that do nothing are not drawn)."""
+        marks = ",".join("?" * len(statuses))
+        sql = f"SELECT 1 FROM tasks WHERE status IN ({marks}) LIMIT 1"
+        return bool(self.run(self.store._read(lambda c: c.execute(sql, statuses).fetchall())))
+
     def of_key(self, key: bytes) -> list[Task]:
-        return [t for t in self.tasks() if t.order_key == order_key_of("t", 0, key)]
+        return [t for t in self.tasks() if t.order_key == order_key_of(*HOME, key)]
 
     def blocked(self, key: bytes) -> bool:
-        return bool(self.run(self.store.order_open_of([order_key_of("t", 0, key)])))  # type: ignore[list-item]
+        return bool(self.run(self.store.order_open_of([order_key_of(*HOME, key)])))  # type: ignore[list-item]
 
     def _new(self, key: bytes, status: Status, dead: bool = False) -> NewTask:
         now = self.tick()
@@ -65,28 +88,45 @@ class Ordering(RuleBasedStateMachine):
                        status=status, created_at=now, first_attempt=None,
                        next_attempt_at=now if status == Status.PENDING else None,
                        dead_reason=ErrorInfo("Boom", "permanent") if dead else None,
-                       order_key=order_key_of("t", 0, key), order_seq=self.offset, order_hold=self.hold[key])
+                       order_key=order_key_of(*HOME, key), order_seq=self.offset, order_hold=self.hold[key])
 
-    def check_runnable(self, key: bytes, seq: int) -> None:
-        """A record of `key` runs: nothing of its key runs or is due beside it, nothing earlier waits parked."""
+    def check_runnable(self, key: bytes, seq: int, task_id: str | None = None) -> None:
+        """A record of `key` runs (`task_id`: as a task; else inline): nothing of its key runs or is due beside it,
+        nothing earlier of its key waits parked or holds the key dead."""
         self.ran.append((key, seq))
         for task in self.of_key(key):
             if task.order_seq == seq:
                 continue
             assert not (task.status in (Status.PENDING, Status.IN_FLIGHT) and task.order_seq is not None
                         and task.order_seq != seq), f"{key!r}/{seq} runs beside {task.order_seq} ({task.status})"
-            # A redriven head of a key that had moved on (on_dead: release) waits parked at the front: it is next,
-            # not before the record already running or due.
-            if task.status == Status.PARKED and task.redrive_count == 0:
-                assert task.order_seq is not None and task.order_seq > seq, \
+            assert task.order_seq is not None
+            if task.status == Status.PARKED and task.order_seq < seq:
+                # Only a redriven head of a key that had moved on (on_dead: release) waits behind a later record:
+                # the one running or due when it was redriven.
+                assert task_id is not None and task_id in self.ahead.get(task.id, ()), \
                     f"{key!r}/{seq} runs before the earlier parked {task.order_seq}"
+            if task.status == Status.DEAD and task.order_hold:
+                assert task.order_seq > seq, \
+                    f"{key!r}/{seq} runs while the earlier {task.order_seq} is dead and holds its key"
+
+    def redriving(self, ids: list[str]) -> None:
+        """Before a redrive: the engine blocks the tasks' keys in the lane (Engine.before_redrive), and what of each
+        key is running or due now may go first."""
+        for key in KEYS:
+            tasks = self.of_key(key)
+            mine = [t.id for t in tasks if t.id in ids]
+            if mine:
+                self.lane_blocked.add(key)
+                live = {t.id for t in tasks if t.status in (Status.PENDING, Status.IN_FLIGHT)}
+                for task_id in mine:
+                    self.ahead[task_id] = live
 
     # ---- the lane's side: a record arrives --------------------------------------------------------------
 
     @rule(key=st.sampled_from(KEYS), fails=st.sampled_from(["no", "retry", "dead"]))
     def arrive(self, key: bytes, fails: str) -> None:
         self.offset += 1
-        if self.blocked(key):
+        if key in self.lane_blocked:
             self.ids.append(self.run(self.store.submit(self._new(key, Status.PARKED))))
             return
         self.check_runnable(key, self.offset)
@@ -95,15 +135,25 @@ class Ordering(RuleBasedStateMachine):
         else:
             status = Status.DEAD if fails == "dead" else Status.PENDING
             self.ids.append(self.run(self.store.submit(self._new(key, status, dead=fails == "dead"))))
+            self.lane_blocked.add(key)  # its record became a task: its later records park
+
+    @precondition(lambda self: bool(self.lane_blocked))
+    @rule()
+    def refresh_keys(self) -> None:
+        """The lane's refresh: blocked keys the store finds with no open task run inline again."""
+        if self.lane_blocked:
+            still = self.run(self.store.order_open_of([order_key_of(*HOME, k) for k in self.lane_blocked]))
+            self.lane_blocked = {k for k in self.lane_blocked if order_key_of(*HOME, k) in still}
 
     # ---- the scheduler's side ---------------------------------------------------------------------------
 
+    @precondition(lambda self: self.has("PENDING"))
     @rule(outcome=st.sampled_from([Outcome.SUCCESS, Outcome.RETRYABLE_FAILURE, Outcome.PERMANENT_FAILURE]))
     def claim_and_end(self, outcome: Outcome) -> None:
         for task in self.run(self.store.claim_due("q", 10, LEASE, "w", self.tick())):
-            key = next(k for k in KEYS if task.order_key == order_key_of("t", 0, k))
+            key = next(k for k in KEYS if task.order_key == order_key_of(*HOME, k))
             assert task.order_seq is not None
-            self.check_runnable(key, task.order_seq)
+            self.check_runnable(key, task.order_seq, task.id)
             now = self.tick()
             report = RunReport(now, now, outcome, None if outcome == Outcome.SUCCESS else ErrorInfo("Boom", "x"),
                                "w")
@@ -114,16 +164,76 @@ class Ordering(RuleBasedStateMachine):
             else:
                 self.run(self.store.record_dead(task.id, task.lease_token, report, ErrorInfo("Boom", "x")))
 
+    @precondition(lambda self: self.has("DEAD"))
     @rule(key=st.sampled_from(KEYS))
     def skip_head(self, key: bytes) -> None:
         for task in self.of_key(key):
             self.run(self.store.skip(task.id))
 
-    @rule(key=st.sampled_from(KEYS))
-    def redrive_dead(self, key: bytes) -> None:
+    @precondition(lambda self: self.has("DEAD"))
+    @rule(key=st.sampled_from(KEYS), which=st.integers(0, 3))
+    def redrive_dead(self, key: bytes, which: int) -> None:
         dead = [t for t in self.of_key(key) if t.status == Status.DEAD]
         if dead:
-            self.run(self.store.redrive(dead[0].id, self.tick()))
+            chosen = dead[which % len(dead)].id
+            self.redriving([chosen])
+            self.run(self.store.redrive(chosen, self.tick()))
+
+    @precondition(lambda self: self.has("DEAD"))
+    @rule()
+    def bulk_redrive(self) -> None:
+        """`rdq redrive --queue q`: the queue's dead tasks in the store's order, in one transaction."""
+        ids = self.run(self.store.dead_ids("q"))
+        self.redriving(ids)
+        self.run(self.store.redrive_many(ids, self.tick()))
+
+    @precondition(lambda self: self.has("DEAD"))
+    @rule()
+    def publish_and_purge(self) -> None:
+        """A dead task's DLQ record is acknowledged and the store purges it (a held key is released)."""
+        for task in self.tasks():
+            if task.status == Status.DEAD:
+                self.run(self.store.mark_dlq_published(task, "dlq", 0, len(self.purged), self.tick()))
+                published = self.run(self.store.get(task.id))
+                if self.run(self.store.purge_task(task.id)):
+                    self.purged.append(published)
+                return
+
+    @precondition(lambda self: bool(self.purged))
+    @rule()
+    def redrive_from_dlq(self) -> None:
+        """`rdq redrive --from-dlq`: a purged task re-created from its envelope, then redriven."""
+        if self.purged:
+            envelope = self.purged.pop(0)
+            self.run(self.store.recreate_dead(envelope, "dlq", 0, 0))
+            self.redriving([envelope.id])
+            self.run(self.store.redrive(envelope.id, self.tick()))
+
+    @precondition(lambda self: self.has("PENDING", "IN_FLIGHT", "PARKED"))
+    @rule()
+    def time_out(self) -> None:
+        """queue_timeout: every open task (parked ones too) dies as rdq.Timeout."""
+        self.run(self.store.time_out("q", self.now + 1, self.tick(), "queue_timeout"))
+
+    @rule(split=st.integers(1, 4))
+    def restore(self, split: int) -> None:
+        """A restore from the changelog's record of every task (as an owner would have written it), in batches:
+        it replays states and must change none (a held dead head re-inserted releases nothing)."""
+        local = LocalIndex(self.store)
+        before = {t.id: (t.status, t.order_hold) for t in self.tasks()}
+
+        def records(conn: Any) -> list[tuple[int, bytes, bytes | None]]:
+            rows = conn.execute("SELECT * FROM tasks").fetchall()
+            return [(i, row["id"].encode(), LocalIndex._entry(conn, row).value) for i, row in enumerate(rows)]
+
+        log = self.run(self.store._read(records))
+        seen: set[str] = set()
+        existing = self.run(local.home_ids(HOME))
+        size = max(1, len(log) // split)
+        for start in range(0, len(log), size):
+            self.run(local.restore_batch(HOME, "cl", log[start:start + size], seen, self.tick(), [], existing))
+        after = {t.id: (t.status, t.order_hold) for t in self.tasks()}
+        assert after == before, f"the restore changed states: {before} → {after}"
 
     @rule()
     def crash(self) -> None:
@@ -133,6 +243,8 @@ class Ordering(RuleBasedStateMachine):
         self.now += int(LEASE * 1000) + 1
         for row in self.run(self.store.lapsed_leases(self.now)):
             self.run(self.store.expire_lease(row, self.now, self.now))
+        # The new lane reads its partition's open keys back from the store, as the consumer does (_load_keys).
+        self.lane_blocked = {key_of_order_key(k) for k in self.run(self.store.order_open_keys(*HOME, "q"))}
 
     # ---- invariants ----------------------------------------------------------------------------------------
 
@@ -152,6 +264,6 @@ class Ordering(RuleBasedStateMachine):
                                             f"{[(t.order_seq, t.status, t.order_hold) for t in tasks]}"
 
 
-Ordering.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
+Ordering.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
 TestOrdering = Ordering.TestCase
