@@ -41,7 +41,7 @@ faults: kafka
 	$(BIN)/python -m bench.faults $(FAULTS_ARGS)
 
 # The randomized whole-system run, long (by hand; figures in bench/RESULTS.md): three seeds of 15 minutes each.
-# FAULTS_SEED=N replays a seed. `make faults` runs it short, on two seeds.
+# FAULTS_SEED=N replays a seed. `make faults FAULTS_ARGS=--nemesis` (as .ci/run does) runs it short, on two seeds.
 soak: kafka
 	$(BIN)/python -m bench.nemesis --seconds $(or $(SOAK_SECONDS),900) --runs 3
 
