@@ -33,6 +33,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -446,7 +447,8 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict
         nemesis.revive()
         run.healed_at = time.time()
         log("nemesis: healed")
-        pay_drained_at = settle(run, config, example, downstream, nemesis, group)
+        # A long run leaves a long backlog: the settling time grows with it (never less than 5 minutes).
+        pay_drained_at = settle(run, config, example, downstream, nemesis, group, within=max(300.0, seconds))
         return check(run, config, example, downstream, imported, pay_drained_at)
     finally:
         stop.set()
@@ -549,6 +551,11 @@ def main() -> int:
             verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds)
             print(f"seed {seed + n}: {verdict}", flush=True)
             failed += bool(verdict.violations)
+            if verdict.violations:  # the bridges' logs and stores, to read afterwards
+                kept = Path(".rdq") / f"nemesis-{seed + n}"
+                shutil.rmtree(kept, ignore_errors=True)
+                shutil.copytree(tmp, kept)
+                print(f"seed {seed + n}: its logs and stores are kept in {kept}", flush=True)
             lines.append(f"seed {seed + n}, {args.seconds:g} s of faults ({time.monotonic() - began:.0f} s in all): "
                          f"{verdict.produced} records, {verdict.successes} succeeded, {verdict.dead} in a DLQ; "
                          f"{verdict.figures}; violations: {verdict.violations or 'none'}")

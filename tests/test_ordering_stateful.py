@@ -53,6 +53,8 @@ class Ordering(RuleBasedStateMachine):
         self.lane_blocked: set[bytes] = set()  # the lane's own view (bridge/lanes.py), not the store's
         self.purged: list[Task] = []  # dead tasks whose DLQ record was acknowledged and which were purged
         self.ahead: dict[str, set[str]] = {}  # a redriven task → the tasks of its key running or due at its redrive
+        self.gone: set[str] = set()  # purged (their DLQ record acknowledged): the only tasks allowed to leave
+        self.unstored: dict[bytes, list[NewTask]] = {}  # a key's tasks whose store write failed, to be retried
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -124,26 +126,57 @@ class Ordering(RuleBasedStateMachine):
     # ---- the lane's side: a record arrives --------------------------------------------------------------
 
     @rule(key=st.sampled_from(KEYS), fails=st.sampled_from(["no", "retry", "dead"]))
-    def arrive(self, key: bytes, fails: str) -> None:
+    def arrive(self, key: bytes, fails: str, store_fails: bool = False) -> None:
+        if self.unstored.get(key):
+            return  # the lane holds the key's next record until its task is in the store (Lane._storing)
         self.offset += 1
         if key in self.lane_blocked:
-            self.ids.append(self.run(self.store.submit(self._new(key, Status.PARKED))))
+            self.store_task(key, self._new(key, Status.PARKED), store_fails)
             return
         self.check_runnable(key, self.offset)
         if fails == "no":
             self.finished_inline[key].append(self.offset)
         else:
             status = Status.DEAD if fails == "dead" else Status.PENDING
-            self.ids.append(self.run(self.store.submit(self._new(key, status, dead=fails == "dead"))))
             self.lane_blocked.add(key)  # its record became a task: its later records park
+            self.store_task(key, self._new(key, status, dead=fails == "dead"), store_fails)
+
+    @rule(key=st.sampled_from(KEYS), fails=st.sampled_from(["no", "retry", "dead"]))
+    def arrive_while_the_store_fails(self, key: bytes, fails: str) -> None:
+        """The store write of this record's task fails (a full disk, a locked file): retried later, in order."""
+        self.arrive(key, fails, store_fails=True)
+
+    @precondition(lambda self: any(self.unstored.values()))
+    @rule(twice=st.booleans())
+    def store_recovers(self, twice: bool) -> None:
+        """The writes that failed go again, in order; `twice`: the failed write had in fact committed (its answer was
+        lost), so the retry finds its task there already."""
+        for waiting in self.unstored.values():
+            for task in waiting:
+                if twice:
+                    self.stored(self.run(self.store.submit(task)))
+                self.stored(self.run(self.store.submit(task)))
+            waiting.clear()
+
+    def store_task(self, key: bytes, task: NewTask, fails: bool) -> None:
+        if fails:
+            self.unstored.setdefault(key, []).append(task)
+        else:
+            self.stored(self.run(self.store.submit(task)))
+
+    def stored(self, task_id: str) -> None:
+        if task_id not in self.ids:
+            self.ids.append(task_id)
 
     @precondition(lambda self: bool(self.lane_blocked))
     @rule()
     def refresh_keys(self) -> None:
         """The lane's refresh: blocked keys the store finds with no open task run inline again."""
-        if self.lane_blocked:
-            still = self.run(self.store.order_open_of([order_key_of(*HOME, k) for k in self.lane_blocked]))
-            self.lane_blocked = {k for k in self.lane_blocked if order_key_of(*HOME, k) in still}
+        # Not a key with a task on its way into the store (Lane.blocked_keys leaves those out).
+        asked = {k for k in self.lane_blocked if not self.unstored.get(k)}
+        if asked:
+            still = self.run(self.store.order_open_of([order_key_of(*HOME, k) for k in asked]))
+            self.lane_blocked -= {k for k in asked if order_key_of(*HOME, k) not in still}
 
     # ---- the scheduler's side ---------------------------------------------------------------------------
 
@@ -197,6 +230,7 @@ class Ordering(RuleBasedStateMachine):
                 published = self.run(self.store.get(task.id))
                 if self.run(self.store.purge_task(task.id)):
                     self.purged.append(published)
+                    self.gone.add(task.id)
                 return
 
     @precondition(lambda self: bool(self.purged))
@@ -206,6 +240,7 @@ class Ordering(RuleBasedStateMachine):
         if self.purged:
             envelope = self.purged.pop(0)
             self.run(self.store.recreate_dead(envelope, "dlq", 0, 0))
+            self.gone.discard(envelope.id)
             self.redriving([envelope.id])
             self.run(self.store.redrive(envelope.id, self.tick()))
 
@@ -245,6 +280,14 @@ class Ordering(RuleBasedStateMachine):
             self.run(self.store.expire_lease(row, self.now, self.now))
         # The new lane reads its partition's open keys back from the store, as the consumer does (_load_keys).
         self.lane_blocked = {key_of_order_key(k) for k in self.run(self.store.order_open_keys(*HOME, "q"))}
+        # A record whose task was never stored was never committed: redelivered first, it fails again the same way
+        # and its task is stored now (parked if its key is still held, else due at once).
+        for key, waiting in self.unstored.items():
+            for task in waiting:
+                self.stored(self.run(self.store.submit(task)))
+            if waiting:
+                self.lane_blocked.add(key)
+            waiting.clear()
 
     # ---- invariants ----------------------------------------------------------------------------------------
 
@@ -253,6 +296,14 @@ class Ordering(RuleBasedStateMachine):
         for key in KEYS:
             live = [t for t in self.of_key(key) if t.status in (Status.PENDING, Status.IN_FLIGHT)]
             assert len(live) <= 1, f"{key!r}: {[(t.order_seq, t.status) for t in live]}"
+
+    @invariant()
+    def nothing_stored_is_lost(self) -> None:
+        """Every task the store took is still there unless it was purged after its DLQ record was acknowledged (a
+        retried write, a restore, a redrive from the DLQ record: none may drop one)."""
+        present = set(self.run(self.store._read(lambda c: [r[0] for r in c.execute("SELECT id FROM tasks")])))
+        missing = set(self.ids) - present - self.gone
+        assert not missing, f"tasks lost: {sorted(missing)}"
 
     @invariant()
     def no_parked_task_is_stranded(self) -> None:

@@ -205,3 +205,16 @@ async def test_a_key_held_by_a_dead_record_is_not_released_by_another_of_its_rec
     assert await status(store, stale, waiting) == ["PENDING", "PARKED"]  # in offset order
     await run(store, stale, Outcome.SUCCESS, T0 + 15)
     assert await status(store, waiting) == ["PENDING"]
+
+
+async def test_a_failed_records_task_stored_after_an_earlier_one_was_redriven_parks_behind_it(store: Store) -> None:
+    """A record ran inline and failed while an earlier record of its key was redriven (its task on its way into the
+    store, e.g. a write retried): stored PENDING, it ran beside the redriven one. Found by the ordering model."""
+    first = await store.submit(head(1))
+    await run(store, first, Outcome.PERMANENT_FAILURE)  # on_dead release: the key moved on
+    assert await store.redrive(first, T0 + 20)
+    assert await status(store, first) == ["PENDING"]
+    later = await store.submit(head(2))  # the failed record's retry task
+    assert await status(store, first, later) == ["PENDING", "PARKED"]
+    await run(store, first, Outcome.SUCCESS, T0 + 30)
+    assert await status(store, later) == ["PENDING"]

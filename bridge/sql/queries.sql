@@ -5,21 +5,28 @@
 -- A source record that already has a task here (redelivered after a crash) is not stored twice.
 -- A PARKED task (ordering: key) is parked only behind an open task of its key — running, due, parked, or dead and
 -- holding its key; with none (the head ended meanwhile) it is stored PENDING, due at once. Decided here, in the
--- insert: no head can end between the check and the write.
+-- insert: no head can end between the check and the write. A failed record's retry (PENDING) of a key with a task
+-- running or due already — an earlier record redriven while this one ran inline and its task was on its way here —
+-- parks behind it instead of running beside it.
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
                    dead_reason_type, dead_reason_message, dlq_state, source_ref, home_topic, home_partition,
                    order_key, order_seq, order_hold)
 SELECT :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers,
-       CASE WHEN :status != 'PARKED' THEN :status WHEN held.open THEN 'PARKED' ELSE 'PENDING' END,
+       CASE WHEN held.beside THEN 'PARKED' WHEN :status != 'PARKED' THEN :status
+            WHEN held.open THEN 'PARKED' ELSE 'PENDING' END,
        :attempt_count, 0,
-       CASE WHEN :status != 'PARKED' THEN :next_attempt_at WHEN held.open THEN NULL ELSE :created_at END,
+       CASE WHEN held.beside THEN NULL WHEN :status != 'PARKED' THEN :next_attempt_at
+            WHEN held.open THEN NULL ELSE :created_at END,
        :created_at, :created_at, :finished_at,
        :dead_reason_type, :dead_reason_message, :dlq_state, :source_ref, :home_topic, :home_partition,
        :order_key, :order_seq, :order_hold
   FROM (SELECT :status = 'PARKED' AND EXISTS (
           SELECT 1 FROM tasks o WHERE o.order_key = :order_key
-             AND (o.status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (o.status = 'DEAD' AND o.order_hold = 1))) AS open
+             AND (o.status IN ('PENDING', 'IN_FLIGHT', 'PARKED') OR (o.status = 'DEAD' AND o.order_hold = 1))) AS open,
+               :status = 'PENDING' AND :order_key IS NOT NULL AND EXISTS (
+          SELECT 1 FROM tasks o WHERE o.order_key = :order_key AND o.id != :id
+             AND o.status IN ('PENDING', 'IN_FLIGHT')) AS beside
        ) AS held
  -- A record to park whose key already has a later record's task ran before this one: the lane runs a key's
  -- records in order, so it was handled (succeeded) before a crash and is redelivered; parking it would run it
