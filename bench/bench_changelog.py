@@ -49,7 +49,7 @@ def task_record(i: int, topic: str, attempts: int) -> tuple[bytes, bytes]:
         "lease_owner": None, "lease_started_at": None, "created_at": now, "life_started_at": now,
         "finished_at": None, "fetched_at": None, "dead_reason_type": None, "dead_reason_message": None,
         "dlq_state": None, "dlq_topic": None, "dlq_partition": None, "dlq_offset": None, "home_topic": topic,
-        "home_partition": 0,
+        "home_partition": 0, "order_key": None, "order_seq": None, "order_hold": 0,
         "headers": json.dumps({"rdq.source": f"kafka://{topic}/0/{i}", "rdq.kafka.timestamp": str(now),
                                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}),
     }  # fmt: skip

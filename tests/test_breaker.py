@@ -147,8 +147,8 @@ def test_a_note_travels_with_its_attempt_and_older_records_without_one_still_rea
                                     "dead_reason_message", "dlq_state", "dlq_topic", "dlq_partition", "dlq_offset",
                                     "home_topic", "home_partition", "order_key", "order_seq",
                                     "order_hold")}
-    task.update(id="t1", queue="q", handler_ref="h", status="PENDING", attempt_count=2, redrive_count=0,
-                lease_token=1, created_at=1, life_started_at=1, headers="{}", payload=b"x")
+    task.update(id="t1", queue="q", handler_ref="h", status="PENDING", next_attempt_at=1, attempt_count=2,
+                redrive_count=0, lease_token=1, created_at=1, life_started_at=1, headers="{}", payload=b"x")
     rows = [{**plain.params("t1"), "seq": 1}, {**noted.params("t1"), "seq": 2}]
     restored = decode(b"t1", encode(task, rows, [], 3))
     assert [a["note"] for a in restored.attempts] == [None, noted.note]
