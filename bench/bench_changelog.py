@@ -55,7 +55,8 @@ def task_record(i: int, topic: str, attempts: int) -> tuple[bytes, bytes]:
     }  # fmt: skip
     history = [{"seq": k, "attempt_no": k, "redrive_no": 0, "started_at": now + k, "finished_at": now + k + 5,
                 "outcome": "RETRYABLE_FAILURE", "error_type": "ConnectionError", "error_message": "refused",
-                "error_stack": STACK, "worker": "bench", "late_result_of": None} for k in range(1, attempts + 1)]
+                "error_stack": STACK, "worker": "bench", "late_result_of": None, "note": None}
+               for k in range(1, attempts + 1)]
     return task_id.encode(), encode(row, history, [], 2 * attempts + 1)
 
 
