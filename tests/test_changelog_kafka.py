@@ -402,6 +402,36 @@ async def test_a_stale_group_generation_cannot_commit_a_changelog_transaction(ka
         await store.close()
 
 
+async def test_a_dlq_record_whose_task_left_with_its_partition_is_not_published(kafka: Any, tmp_path: Path) -> None:
+    """After a loss (no assignment: no group metadata, no offsets) a DLQ record still queued for a task this
+    instance dropped went out in a transaction with nothing to fence it — the new owner restored the task and
+    published it too: a DLQ duplicate (found reading the code after a long nemesis soak counted 6)."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    topic, changelog, dlq = f"in-{unique}", config.changelog_topic(f"in-{unique}"), f"dlq-{unique}"
+    store = await Store.open(tmp_path / "lost.db", scoped=True)
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        writer = ChangelogWriter(local, {topic: changelog}, lambda: make_changelog_producer(config, 1_000_000),
+                                 lambda: {}, lambda: None, _Clock())
+        outcomes: list[Any] = []
+        stop = asyncio.Event()
+        running = asyncio.create_task(writer.run(stop))
+        try:
+            writer.produce_dlq("T-dropped", (topic, 0), dlq, b"k", b"{}", [], lambda err, msg: outcomes.append(err))
+            await wait_until(lambda: bool(outcomes), within=60, what="the DLQ record's outcome")
+        finally:
+            stop.set()
+            await running
+            await writer.close()
+        assert outcomes[0] is not None  # refused, not published
+        assert read_dlq(kafka.bootstrap_servers, dlq, settle=2.0) == []
+    finally:
+        await store.close()
+
+
 class _Clock:
     def now_ms(self) -> int:
         return int(time.time() * 1000)

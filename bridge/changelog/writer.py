@@ -258,8 +258,12 @@ class ChangelogWriter:
                 if item.delivered is not None and item.home is not None and item.home[0] in self.topics:
                     entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
                                                                 self.clock.now_ms())
-                    if entry is not None:
-                        work.dlq_entries.append(entry)
+                    if entry is None:
+                        # Its task left this store (its partition was lost and dropped): the new owner restored it
+                        # and publishes it. Published here too, unfenced, it was a DLQ duplicate.
+                        raise KafkaException(KafkaError(KafkaError._FENCED, f"task {item.task_id} is no longer "
+                                                                            "here: its partition moved"))
+                    work.dlq_entries.append(entry)
             await self._call(self._send_and_commit, work)
         except KafkaException as e:
             refused = [i for i in work.dlq if i.error is not None and not i.collateral]
@@ -306,11 +310,13 @@ class ChangelogWriter:
         metadata = None if unfenced else self._group_metadata()
         writable = self._writable() if self._writable is not None else None
         homed = [e for e in [*work.dlq_entries, *work.entries] if e.home[0] in self.topics]
-        if homed and not unfenced and (metadata is None or not work.offsets):
+        homes = {e.home for e in homed} | {i.home for i in work.dlq if i.home is not None and i.home[0] in self.topics}
+        if homes and not unfenced and (metadata is None or not work.offsets):
             # Never unfenced: without the group metadata of an assignment (and offsets to send with it) nothing
-            # proves these partitions are still ours.
+            # proves these partitions are still ours. A DLQ record of a homed task too, even when its changelog
+            # record is not in the round.
             raise KafkaException(KafkaError(KafkaError._FENCED, "no current assignment to fence this write"))
-        if writable is not None and not unfenced and any(e.home not in writable for e in homed):
+        if writable is not None and not unfenced and any(home not in writable for home in homes):
             # A partition lost since this round read its outbox: not one record of this round goes out.
             raise KafkaException(KafkaError(KafkaError._FENCED, "a partition of this round is no longer ours"))
         for entry in homed:  # a task whose topic has no changelog here stays in its file only
