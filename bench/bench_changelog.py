@@ -3,6 +3,7 @@ failure path.
 
     python -m bench.bench_changelog restore [--n 100000]   # tasks with 5 attempts each, one partition
     python -m bench.bench_changelog overhead [--n 20000]   # bench_kafka's failure path, changelog off vs on
+    python -m bench.bench_changelog ready [--n 5]          # a restart's time to ready: 24 partitions, n tasks each
 
 Each appends its figures to bench/RESULTS.md. Uses KAFKA_BOOTSTRAP_SERVERS, else starts the local broker.
 """
@@ -39,8 +40,8 @@ class _Clock:
         return int(time.time() * 1000)
 
 
-def task_record(i: int, topic: str, attempts: int) -> tuple[bytes, bytes]:
-    now = 1_790_000_000_000 + i
+def task_record(i: int, topic: str, attempts: int, partition: int = 0, now: int | None = None) -> tuple[bytes, bytes]:
+    now = (now or 1_790_000_000_000) + i
     task_id = f"01J{i:023d}"
     row: dict[str, Any] = {
         "id": task_id, "queue": "q", "handler_ref": "ok", "handler_version": None, "payload": PAYLOAD[:200],
@@ -49,8 +50,8 @@ def task_record(i: int, topic: str, attempts: int) -> tuple[bytes, bytes]:
         "lease_owner": None, "lease_started_at": None, "created_at": now, "life_started_at": now,
         "finished_at": None, "fetched_at": None, "dead_reason_type": None, "dead_reason_message": None,
         "dlq_state": None, "dlq_topic": None, "dlq_partition": None, "dlq_offset": None, "home_topic": topic,
-        "home_partition": 0, "order_key": None, "order_seq": None, "order_hold": 0,
-        "headers": json.dumps({"rdq.source": f"kafka://{topic}/0/{i}", "rdq.kafka.timestamp": str(now),
+        "home_partition": partition, "order_key": None, "order_seq": None, "order_hold": 0,
+        "headers": json.dumps({"rdq.source": f"kafka://{topic}/{partition}/{i}", "rdq.kafka.timestamp": str(now),
                                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}),
     }  # fmt: skip
     history = [{"seq": k, "attempt_no": k, "redrive_no": 0, "started_at": now + k, "finished_at": now + k + 5,
@@ -164,9 +165,70 @@ async def bench_overhead(bootstrap: str, n: int) -> None:
     ])
 
 
+READY_PARTITIONS = 24
+
+
+def join_time(config: BridgeConfig, topic: str) -> float:
+    """Baseline: a plain consumer of the same group settings joining a fresh group of the source topic, until its
+    partitions are assigned (what any consumer pays before its first record)."""
+    assigned = []
+    consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": f"{config.kafka.group_id}-"
+                         "bare", "partition.assignment.strategy": "cooperative-sticky"})
+    began = time.perf_counter()
+    consumer.subscribe([topic], on_assign=lambda c, ps: assigned.extend(ps))
+    while len(assigned) < READY_PARTITIONS:
+        consumer.poll(0.02)
+    elapsed = time.perf_counter() - began
+    consumer.close()
+    return elapsed
+
+
+async def ready_run(bootstrap: str, per_partition: int) -> tuple[float, float]:
+    """One run: (the bare consumer's join, the bridge's start → every partition owned), in seconds."""
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"},
+                              kafka={"bootstrap_servers": bootstrap, "topic_partitions": READY_PARTITIONS,
+                                     "group_id": f"bench-ready-{Path(tmp).name}"})
+        topic = config.queues["q"].sources[0]
+        ensure_topics(config)
+        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+        for p in range(READY_PARTITIONS):
+            for i in range(per_partition):
+                key, value = task_record(p * per_partition + i, topic, 5, partition=p, now=int(time.time() * 1000))
+                producer.produce(config.changelog_topic(topic), key=key, value=value, partition=p)
+        assert producer.flush(60) == 0
+        bare = join_time(config, topic)
+        pending: list[int] = []
+
+        async def ready(bridge: Bridge) -> bool:  # every partition assigned and restored: it runs them all
+            if not all(bridge.consumer.owns(topic, p) for p in range(READY_PARTITIONS)):
+                return False
+            pending.append((await bridge.store.counts()).get("q", {}).get("PENDING", 0))
+            return True
+
+        elapsed, _ = await run_bridge_until(config, ready, within=300)
+    assert pending == [READY_PARTITIONS * per_partition], f"not every task restored: {pending}"
+    return bare, elapsed
+
+
+async def bench_ready(bootstrap: str, per_partition: int, runs: int = 3) -> None:
+    """A restart onto a fresh store: the changelog holds `per_partition` open tasks of each of 24 partitions; the
+    time from the bridge's start until it owns every partition (all restored), against a bare consumer's join."""
+    bare_s, bridge_s = zip(*[await ready_run(bootstrap, per_partition) for _ in range(runs)], strict=True)
+    record("time to ready after a restart onto a fresh store (changelog restore of every partition)", [
+        f"{READY_PARTITIONS} partitions x {per_partition} open tasks (5 attempts each) in the changelog; {runs} runs, "
+        "production defaults",
+        "baseline: a bare consumer joining a fresh group of the same topic until assigned: "
+        + "/".join(f"{s:.2f}" for s in bare_s) + " s",
+        "bridge: start → every partition owned (joined, all restored): " + "/".join(f"{s:.2f}" for s in bridge_s)
+        + f" s  (goal < 2 s; minus the join, at best: {min(b - j for b, j in zip(bridge_s, bare_s, strict=True)):.2f}"
+        " s)",
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["restore", "overhead", "all"])
+    parser.add_argument("which", choices=["restore", "overhead", "ready", "all"])
     parser.add_argument("--n", type=int, default=None)
     args = parser.parse_args()
     with broker() as bootstrap:
@@ -174,6 +236,8 @@ def main() -> None:
             asyncio.run(bench_restore(bootstrap, args.n or 100_000))
         if args.which in ("overhead", "all"):
             asyncio.run(bench_overhead(bootstrap, args.n or 20_000))
+        if args.which in ("ready", "all"):
+            asyncio.run(bench_ready(bootstrap, args.n or 5))
 
 
 if __name__ == "__main__":

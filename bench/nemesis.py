@@ -232,17 +232,69 @@ def legacy_dlq(run: Run, n: int) -> None:
 # ---- the nemesis --------------------------------------------------------------------------------------------
 
 
+class Supervisor:
+    """Starts a bridge that died (a poison pill's SIGKILL) again, as its supervisor would (systemd, Kubernetes):
+    from its own thread, every half second, so an admin command the checker waits on never leaves the group
+    without its bridges. Bridges the nemesis is acting on (`acting`) are left to it."""
+
+    def __init__(self, run: Run, group: list[BridgeProcess]) -> None:
+        self.run, self.group = run, group
+        self.lock = threading.Lock()
+        self.busy: set[int] = set()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="nemesis-supervisor", daemon=True)
+
+    def start(self) -> None:
+        for bridge in self.group:
+            bridge.start()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+    @contextlib.contextmanager
+    def acting(self, i: int) -> Any:
+        with self.lock:
+            self.busy.add(i)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.busy.discard(i)
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.5):
+            for i, bridge in enumerate(self.group):
+                with self.lock:
+                    if i in self.busy or bridge.alive or self.done.is_set():
+                        continue
+                    self.busy.add(i)
+                try:
+                    self.run.actions["restart after a crash"] += 1
+                    self.run.last_restart = time.time()
+                    bridge.start()
+                finally:
+                    with self.lock:
+                        self.busy.discard(i)
+
+
 class Nemesis:
-    def __init__(self, run: Run, rng: random.Random, group: list[BridgeProcess], downstream: Downstream) -> None:
-        self.run, self.rng, self.group, self.downstream = run, rng, group, downstream
+    def __init__(self, run: Run, rng: random.Random, supervisor: Supervisor, downstream: Downstream) -> None:
+        self.run, self.rng, self.supervisor, self.downstream = run, rng, supervisor, downstream
+        self.group = supervisor.group
         self.stopped: set[int] = set()  # SIGSTOPped bridges
 
     def act(self) -> None:
         action = self.rng.choice(["kill", "kill", "stop", "term", "disk", "outage"])
         i = self.rng.randrange(len(self.group))
-        bridge = self.group[i]
         self.run.actions[action] += 1
         log(f"nemesis: {action} n{i}")
+        with self.supervisor.acting(i):
+            self._do(action, i)
+
+    def _do(self, action: str, i: int) -> None:
+        bridge = self.group[i]
         if action == "outage":
             self.downstream.down = True
             time.sleep(self.rng.uniform(3, 8))
@@ -264,17 +316,6 @@ class Nemesis:
                     leftover.unlink()
             time.sleep(self.rng.uniform(0.5, 3))
             bridge.start()
-
-    def revive(self) -> None:
-        """Every bridge running (a crashed one, killed by a poison pill, is started again)."""
-        for i, bridge in enumerate(self.group):
-            if i in self.stopped and bridge.alive:
-                os.kill(bridge.proc.pid, signal.SIGCONT)
-                self.stopped.discard(i)
-            if not bridge.alive:
-                self.run.actions["restart after a crash"] += 1
-                self.run.last_restart = time.time()
-                bridge.start()
 
 
 def rdq(config_path: Path, *args: str, timeout: float = 120) -> int:
@@ -418,13 +459,13 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict
     example = tmp / "success.log"
     fixed = tmp / "fixed"
     group = bridges(run, config, example, fixed)
-    nemesis = Nemesis(run, rng, group, downstream)
+    supervisor = Supervisor(run, group)
+    nemesis = Nemesis(run, rng, supervisor, downstream)
     imported = 40
     legacy_dlq(run, imported)
     stop = threading.Event()
     try:
-        for bridge in group:
-            bridge.start()
+        supervisor.start()
         feeder = feed(run, rng, stop)
         began = time.monotonic()
         deployed = imported_now = False
@@ -440,18 +481,21 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict
                 imported_now = True
                 run.imported = rdq(group[0].path, "import", "--topic", f"legacy-{run.unique}.dlq", "--queue",
                                    "mixed") == 0
-            nemesis.revive()  # a bridge a poison pill killed comes back, as its supervisor would start it
         feeder.join()
-        # Heal: everyone up, the downstream up; then the redrives of what died before the fix, and the imports.
+        # Heal: everyone up (the supervisor restarts the dead), the downstream up; then the redrives of what died
+        # before the fix, and the imports.
         downstream.down = False
-        nemesis.revive()
+        for bridge in group:
+            if bridge.alive:
+                os.kill(bridge.proc.pid, signal.SIGCONT)
         run.healed_at = time.time()
         log("nemesis: healed")
         # A long run leaves a long backlog: the settling time grows with it (never less than 5 minutes).
-        pay_drained_at = settle(run, config, example, downstream, nemesis, group, within=max(300.0, seconds))
+        pay_drained_at = settle(run, config, example, downstream, group, within=max(300.0, seconds))
         return check(run, config, example, downstream, imported, pay_drained_at)
     finally:
         stop.set()
+        supervisor.stop()
         for bridge in group:
             with contextlib.suppress(Exception):
                 if bridge.alive:
@@ -461,16 +505,15 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict
         log(f"nemesis: actions {dict(run.actions)}")
 
 
-def settle(run: Run, config: BridgeConfig, example: Path, downstream: Downstream, nemesis: Nemesis,
-           group: list[BridgeProcess], within: float = 300) -> float | None:
-    """Redrive the fixed and imported records, keep crashed bridges running, and wait until every record is
-    accounted for (or the time is up). Returns when `pay` drained (wall time)."""
+def settle(run: Run, config: BridgeConfig, example: Path, downstream: Downstream, group: list[BridgeProcess],
+           within: float = 300) -> float | None:
+    """Redrive the fixed and imported records (the supervisor keeps crashed bridges running), and wait until every
+    record is accounted for (or the time is up). Returns when `pay` drained (wall time)."""
     deadline = time.monotonic() + within
     pay_total = _count(config, run.topic("pay"))
     pay_drained_at = None
     next_redrive = 0.0
     while time.monotonic() < deadline:
-        nemesis.revive()
         if pay_drained_at is None and _pay_drained(run, downstream, pay_total):
             pay_drained_at = time.time()
         if time.monotonic() >= next_redrive:

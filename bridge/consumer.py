@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
 from bridge.changelog.local import LocalIndex
-from bridge.changelog.restore import RestoreFailed, Restorer
+from bridge.changelog.restore import RestoreFailed, Restorer, RestoreReport
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
@@ -580,22 +580,34 @@ class SourceConsumer:
         task.add_done_callback(self._restores.discard)
 
     async def _restore_all(self, tps: set[TP]) -> None:
+        """The assignment's partitions restore at once (one consumer); each is ready as soon as its own restore
+        ends. One that failed (the broker away, its changelog topic not there yet) is retried alone, with a
+        backoff."""
         assert self.changelog is not None
-        for tp in sorted(tps):
-            await self._restore_one(tp)
+        metrics = self.changelog.telemetry.metrics
+        for tp in tps:
+            metrics.restoring.labels(f"{tp[0]}/{tp[1]}").set(1)
+        # The source offsets, asked once for the whole assignment while its changelogs are read.
+        starts = asyncio.ensure_future(self._start_offsets(tps))
+        failed = await self.changelog.restorer.restore_many(sorted(tps), lambda tp: tp in self._restoring,
+                                                            functools.partial(self._restored_one, starts=starts))
+        for tp in sorted(failed):
+            if tp in self._restoring:
+                log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, failed[tp])
+                await self._restore_one(tp)
         await self._drop_strangers()
 
     async def _restore_one(self, tp: TP) -> None:
-        assert self.changelog is not None and self._consumer is not None
-        metrics = self.changelog.telemetry.metrics
-        label = f"{tp[0]}/{tp[1]}"
-        metrics.restoring.labels(label).set(1)
+        """One partition's restore, again and again (with a backoff) until it succeeds or the partition goes."""
+        assert self.changelog is not None
         delay = 0.5
         while tp in self._assigned or tp in self._restoring:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
             try:
                 report = await self.changelog.restorer.restore(tp, wanted=lambda: tp in self._restoring)
-                committed = await self._call(self._consumer.committed, [TopicPartition(*tp)], 10.0)
-                break
+                await self._restored_one(report)
+                return
             except (RestoreFailed, KafkaException, StoreError) as e:
                 if tp not in self._restoring:
                     return
@@ -603,23 +615,34 @@ class SourceConsumer:
                     with contextlib.suppress(Exception):  # the topic's check says why, in the next log line
                         await self.changelog.ensure_topics()
                     if tp[0] in self.changelog.restorer.topics:
+                        delay = 0.0
                         continue
-                log.error("cannot restore %s yet (it stays unready and unconsumed; retrying): %s", label, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
-        else:
-            return
+                log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, e)
+
+    async def _restored_one(self, report: RestoreReport,
+                            starts: asyncio.Future[dict[TP, int | None]] | None = None) -> None:
+        """A partition's tasks are in the store: its source offset known, its keys read, it runs. `starts`: the
+        assignment's source offsets, being asked (else, or if that failed, asked for this partition now)."""
+        assert self.changelog is not None and self._consumer is not None
+        tp = report.home
         if tp not in self._restoring:
             return  # revoked while restoring
-        if committed and committed[0].offset >= 0:
-            self._baseline[tp] = committed[0].offset
-        else:
-            await self._baseline_without_commit(tp)
+        known: dict[TP, int | None] = {}
+        if starts is not None:
+            with contextlib.suppress(KafkaException):
+                known = await starts
+        offset = known[tp] if tp in known else (await self._start_offsets({tp}))[tp]
+        if tp not in self._restoring:
+            return
+        if offset is not None:
+            self._baseline[tp] = offset
         await self.changelog.local.set_home(tp, "active")
         lane = self._lanes.get(tp)
         if lane is not None and not lane.keys_loaded:
             await self._load_keys(lane)  # the restored tasks' keys: read now, not when the first records came
         self._restoring.discard(tp)
+        label = f"{tp[0]}/{tp[1]}"
+        metrics = self.changelog.telemetry.metrics
         metrics.restoring.labels(label).set(0)
         metrics.restored_tasks.labels(label).set(report.tasks)
         metrics.restore_seconds.labels(label).set(report.seconds)
@@ -632,20 +655,33 @@ class SourceConsumer:
                  report.seconds, report.tombstones, report.unreadable, report.dropped)
         self._start_ready(tp)
 
-    async def _baseline_without_commit(self, tp: TP) -> None:
-        """A partition with no committed offset (nothing consumed yet) still needs one in the changelog writer's
-        transactions: its offsets are what fences a zombie's writes, and without any, a round holding an import or
-        a redrive homed here was refused for ever. The offset the consumer would start from anyway (earliest, or
-        latest when the config says so) is committed: it changes nothing of what is consumed."""
+    async def _start_offsets(self, tps: set[TP]) -> dict[TP, int | None]:
+        """Each partition's committed offset, one request for them all. A partition with none (nothing consumed
+        yet) still needs one in the changelog writer's transactions: its offsets are what fences a zombie's writes,
+        and without any, a round holding an import or a redrive homed here was refused for ever. The offset the
+        consumer would start from anyway (earliest, or latest when the config says so) is taken: it changes
+        nothing of what is consumed. None: not known (the broker did not answer); its writes wait for a first
+        record. Raises KafkaException when the committed offsets cannot be read."""
         assert self._consumer is not None
-        policy = str(self.config.kafka.consumer.get("auto.offset.reset", "earliest"))
-        try:
-            low, high = await self._call(self._consumer.get_watermark_offsets, TopicPartition(*tp), 10.0, False)
-        except KafkaException as e:
-            log.warning("%s/%d: no committed offset and no watermarks (%s): its writes wait for a first record",
-                        *tp, e)
-            return
-        self._baseline[tp] = int(high if policy in ("latest", "largest", "end") else low)
+        committed = await self._call(self._consumer.committed, [TopicPartition(*tp) for tp in sorted(tps)], 10.0)
+        offsets: dict[TP, int | None] = {(p.topic, p.partition): p.offset for p in committed if p.offset >= 0}
+        missing = sorted(tps - offsets.keys())
+        if missing:
+            policy = str(self.config.kafka.consumer.get("auto.offset.reset", "earliest"))
+            # offsets_for_times with OFFSET_END / OFFSET_BEGINNING as the time: the latest / earliest offsets of
+            # all of them in one ListOffsets request.
+            start = OFFSET_END if policy in ("latest", "largest", "end") else OFFSET_BEGINNING
+            try:
+                found = await self._call(self._consumer.offsets_for_times,
+                                         [TopicPartition(*tp, start) for tp in missing], 10.0)
+            except KafkaException as e:
+                log.warning("%s: no committed offset and no watermarks (%s): their writes wait for a first record",
+                            ", ".join(f"{t}/{p}" for t, p in missing), e)
+                found = []
+            for p in found:
+                if p.error is None and p.offset >= 0:
+                    offsets[(p.topic, p.partition)] = p.offset
+        return {tp: offsets.get(tp) for tp in tps}
 
     async def _drop_strangers(self) -> None:
         """Tasks in this file whose partition is not this instance's (left by a crash, or by a run before the

@@ -6,6 +6,7 @@ Scale-down, a lost disk, a zombie (SIGSTOP) and the changelog's own faults: a co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -457,17 +458,17 @@ async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(st
     tp = (f"in-{unique}", 0)
     async with running_bridge(config, instance_id="second") as second:
         assert second.changelog is not None and second.health is not None
-        restore = second.changelog.restorer.restore
+        restore_many = second.changelog.restorer.restore_many
         calls = 0
 
-        async def broker_goes_away(home: Any, wanted: Any = lambda: True) -> Any:
+        async def broker_goes_away(homes: Any, wanted: Any, restored: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls == 1:
                 await asyncio.to_thread(broker.stop)
-            return await restore(home, wanted)
+            return await restore_many(homes, wanted, restored)
 
-        second.changelog.restorer.restore = broker_goes_away  # type: ignore[method-assign]
+        second.changelog.restorer.restore_many = broker_goes_away  # type: ignore[method-assign]
         await wait_until(lambda: calls >= 1, within=60, what="the restore begun")
         for _ in range(20):  # the outage: the partition is never ready, nothing of it runs or is consumed
             assert not second.consumer.owns(*tp) and not second.health.ready
@@ -478,3 +479,44 @@ async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(st
         counts = await second.store.counts()
         assert counts["q"]["PENDING"] == 20
         await wait_until(lambda: second.health is not None and second.health.ready, within=60, what="ready")
+
+
+async def test_an_assignments_partitions_restore_at_once_and_an_open_transaction_holds_only_its_own(
+        kafka: Any, tmp_path: Path) -> None:
+    """A restart's partitions restore together, each ready when its own changelog is read: one whose changelog
+    ends in another producer's open transaction waits for it alone; the others run meanwhile (before, they
+    restored one after another, each behind the one before)."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=3, backoff={"kind": "fixed", "base": "1h"})
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    source = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for i in range(9):
+        source.produce(topic, key=f"k{i}".encode(), value=b'{"fail": 5}', partition=i % 3)
+    assert source.flush(30) == 0
+    async with running_bridge(config) as first:
+        await wait_until(lambda: first.telemetry.metrics.tasks_created.labels("q", "PENDING")._value.get() == 9,
+                         within=60, what="9 tasks")
+    # Another producer's transaction open on changelog partition 0 (sorted first: it would have held the rest).
+    holder = Producer({"bootstrap.servers": kafka.bootstrap_servers, "transactional.id": f"holder-{unique}",
+                       "transaction.timeout.ms": 60_000})
+    holder.init_transactions(30)
+    holder.begin_transaction()
+    holder.produce(config.changelog_topic(topic), key=b"T-open", value=None, partition=0)
+    assert holder.flush(30) == 0
+    config = config.model_copy(update={"store": config.store.model_copy(update={"path": tmp_path / "two.db"})})
+    try:
+        async with running_bridge(config, instance_id="second") as second:
+            await wait_until(lambda: second.consumer.owns(topic, 1) and second.consumer.owns(topic, 2), within=60,
+                             what="partitions 1 and 2 restored while 0 waits")
+            assert not second.consumer.owns(topic, 0)
+            ready = await second.store._read(lambda c: c.execute(
+                "SELECT COUNT(*) FROM tasks WHERE home_partition IN (1, 2) AND status = 'PENDING'").fetchone()[0])
+            assert ready == 6
+            holder.abort_transaction(30)  # the open transaction ends: partition 0's changelog is read to its end
+            await wait_until(lambda: second.consumer.owns(topic, 0), within=60, what="partition 0 restored")
+            counts = await second.store.counts()
+            assert counts["q"]["PENDING"] == 9
+    finally:
+        with contextlib.suppress(Exception):
+            holder.abort_transaction(5)

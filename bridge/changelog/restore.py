@@ -1,10 +1,14 @@
 """Assign → restore → run (SPEC §10): a source partition's tasks are read from its changelog partition into SQLite
 before any of them runs and before the partition is consumed.
 
-The restore reads with `isolation.level=read_committed` (aborted writes of a zombie or of a crashed owner are
-skipped) up to the high watermark seen when it began: an open transaction of a crashed owner holds it until the
-broker aborts it (`transaction.timeout.ms`). The changelog wins over the local file; tasks the changelog never
-saw stay and are logged (see LocalIndex.restore_finish).
+An assignment's partitions restore at once, through one consumer (as Kafka Streams' `StoreChangelogReader` does):
+one state object per changelog partition (`_Restoring`), and each partition made ready as soon as its own end is
+reached, not after the others. The restore reads with `isolation.level=read_committed` (aborted writes of a zombie
+or of a crashed owner are skipped) up to the high watermark seen when it began; it knows it reached it by the
+consumer's position, which steps over the commit marker a transactional changelog ends with (no waiting for a
+poll to come back empty). An open transaction of a crashed owner holds the end until the broker aborts it
+(`transaction.timeout.ms`). The changelog wins over the local file; tasks the changelog never saw stay and are
+logged (see LocalIndex.restore_finish).
 """
 
 from __future__ import annotations
@@ -12,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from bridge.changelog.local import Home, LocalIndex
+from bridge.changelog.local import Home, LocalIndex, RestoreBatch
 from bridge.clock import Clock
+from bridge.store import StoreError
 
 log = logging.getLogger(__name__)
 _BATCH = 5000
+_POLL = 0.05  # a consume returns at 5,000 records or after this: a small partition waits no longer than it
 _STALL_WARN = 10.0
+Changelog = tuple[str, int]  # a changelog partition: (topic, partition)
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,45 @@ class RestoreReport:
 
 class RestoreFailed(RuntimeError):
     """The changelog could not be read (broker unreachable): the partition stays unready, retried."""
+
+
+@dataclass
+class _Restoring:
+    """One changelog partition being restored: its end (the high watermark when the restore began), how far it
+    was read, the tasks it held, and its figures."""
+
+    home: Home
+    topic: str
+    end: int = 0
+    empty: bool = True
+    existing: frozenset[str] = frozenset()
+    reached: int = -1
+    done: bool = False  # finished (restored or given up)
+    seen: set[str] = field(default_factory=set)
+    tasks: int = 0
+    tombstones: int = 0
+    unreadable: int = 0
+    records: int = 0
+    began: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+
+    @property
+    def partition(self) -> Changelog:
+        return self.topic, self.home[1]
+
+    def count(self, applied: RestoreBatch, records: int) -> None:
+        self.tasks += applied.applied
+        self.tombstones += applied.tombstones
+        self.unreadable += applied.unreadable
+        self.records += records
+        self.last_progress = time.monotonic()
+
+    def report(self, dropped: int) -> RestoreReport:
+        return RestoreReport(self.home, self.tasks, self.tombstones, self.unreadable, dropped,
+                             time.monotonic() - self.began, self.records)
+
+
+Restored = Callable[[RestoreReport], Awaitable[None]]
 
 
 class Restorer:
@@ -60,75 +106,158 @@ class Restorer:
 
     async def restore(self, home: Home, wanted: Callable[[], bool] = lambda: True) -> RestoreReport:
         """Restore one home partition from the beginning of its changelog. `wanted()` false: give up (revoked)."""
-        began = time.monotonic()
-        topic = self.topics.get(home[0])
-        if topic is None:  # the source topic did not exist when the bridge started
-            raise RestoreFailed(f"{home[0]} has no changelog topic yet")
+        reports: list[RestoreReport] = []
+
+        async def keep(report: RestoreReport) -> None:
+            reports.append(report)
+
+        failed = await self.restore_many([home], lambda _: wanted(), keep)
+        if home in failed:
+            raise failed[home]
+        return reports[0]
+
+    async def restore_many(self, homes: Sequence[Home], wanted: Callable[[Home], bool],
+                           restored: Restored) -> dict[Home, Exception]:
+        """Restore these home partitions from the beginning of their changelogs, all at once through one consumer.
+        `restored(report)` is awaited as each one finishes (it may make its partition ready then); a home whose
+        `wanted(home)` turns false is given up (revoked). Returns the homes not restored, with why."""
+        failed: dict[Home, Exception] = {}
+        parts: dict[Changelog, _Restoring] = {}
+        for home in homes:
+            topic = self.topics.get(home[0])
+            if topic is None:  # the source topic did not exist when the bridge started
+                failed[home] = RestoreFailed(f"{home[0]} has no changelog topic yet")
+            else:
+                part = _Restoring(home, topic)
+                parts[part.partition] = part
+        if not parts:
+            return failed
+        try:
+            ends = await self._call(self._ends_of, list(parts))
+        except Exception as e:
+            for part in parts.values():
+                failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: cannot read the changelog's end: "
+                                                  f"{e}")
+            return failed
+        for key, (low, high) in ends.items():
+            parts[key].end, parts[key].empty = high, high <= low
         consumer: Consumer = await self._call(self._consumer_factory)
         try:
-            tp = TopicPartition(topic, home[1])
-            try:
-                low, high = await self._call(self._end_of, tp)
-            except Exception as e:
-                raise RestoreFailed(f"{topic}/{home[1]}: cannot read the changelog's end: {e}") from e
-            seen: set[str] = set()
-            counts = {"tasks": 0, "tombstones": 0, "unreadable": 0, "records": 0}
-            if high > low:
-                existing = await self.local.home_ids(home)
-                await self._call(consumer.assign, [TopicPartition(topic, home[1], OFFSET_BEGINNING)])
-                await self._read_until(consumer, home, topic, high, seen, counts, wanted, existing)
-            dropped = await self.local.restore_finish(home, seen)
+            reading: dict[Changelog, _Restoring] = {}
+            for key, part in parts.items():
+                if part.empty:
+                    await self._finish(part, restored, failed)
+                else:
+                    part.existing = await self.local.home_ids(part.home)
+                    reading[key] = part
+            if reading:
+                await self._call(consumer.assign, [TopicPartition(*key, OFFSET_BEGINNING) for key in reading])
+                await self._read_all(consumer, reading, wanted, restored, failed)
+        except (KafkaException, StoreError) as e:
+            for part in parts.values():
+                if not part.done:
+                    failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
         finally:
             await self._call(consumer.close)
-        report = RestoreReport(home, counts["tasks"], counts["tombstones"], counts["unreadable"], dropped,
-                               time.monotonic() - began, counts["records"])
-        return report
+        return failed
 
-    def _end_of(self, tp: TopicPartition) -> tuple[int, int]:
+    def _ends_of(self, partitions: list[Changelog]) -> dict[Changelog, tuple[int, int]]:
         probe = self._end_factory()
         try:
-            low, high = probe.get_watermark_offsets(tp, 10.0, cached=False)
-            return int(low), int(high)
+            ends = {}
+            for topic, partition in partitions:
+                low, high = probe.get_watermark_offsets(TopicPartition(topic, partition), 10.0, cached=False)
+                ends[(topic, partition)] = int(low), int(high)
+            return ends
         finally:
             probe.close()
 
-    async def _read_until(self, consumer: Consumer, home: Home, topic: str, end: int, seen: set[str],
-                          counts: dict[str, int], wanted: Callable[[], bool], existing: frozenset[str]) -> None:
-        reached = -1
-        last_progress = time.monotonic()
+    async def _read_all(self, consumer: Consumer, reading: dict[Changelog, _Restoring],
+                        wanted: Callable[[Home], bool], restored: Restored, failed: dict[Home, Exception]) -> None:
+        """Read every partition to its end; each one finished as soon as its end is reached."""
         errors: list[str] = []
-        while reached < end:
-            if not wanted():
-                raise RestoreFailed(f"{topic}/{home[1]}: no longer assigned")
-            messages = await self._call(consumer.consume, _BATCH, 0.5)
-            batch = []
-            for msg in messages:
-                error = msg.error()
-                if error is None:
-                    batch.append((msg.offset(), msg.key(), msg.value()))
-                    reached = max(reached, msg.offset() + 1)
-                elif error.code() == KafkaError._PARTITION_EOF:
-                    reached = max(reached, msg.offset())
-                else:
-                    log.warning("restoring %s/%d: %s", topic, home[1], error)
-            if batch:
-                last_progress = time.monotonic()
-                applied = await self.local.restore_batch(home, topic, batch, seen, self.clock.now_ms(), errors,
-                                                         existing)
-                counts["tasks"] += applied.applied
-                counts["tombstones"] += applied.tombstones
-                counts["unreadable"] += applied.unreadable
-                counts["records"] += len(batch)
+        while reading:
+            for key, part in list(reading.items()):
+                if not wanted(part.home):
+                    part.done = True
+                    failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: no longer assigned")
+                    await self._leave(consumer, reading, key)
+            if not reading:
+                return
+            batches = self._sorted(await self._call(consumer.consume, _BATCH, _POLL), reading)
+            for key, batch in batches.items():
+                part = reading[key]
+                try:
+                    applied = await self.local.restore_batch(part.home, part.topic, batch, part.seen,
+                                                             self.clock.now_ms(), errors, part.existing)
+                except StoreError as e:
+                    part.done = True
+                    failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
+                    await self._leave(consumer, reading, key)
+                    continue
+                part.count(applied, len(batch))
                 for why in errors:
                     log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s",
                               why)
                 errors.clear()
-            elif time.monotonic() - last_progress > _STALL_WARN:
-                tp = TopicPartition(topic, home[1])
-                position = (await self._call(consumer.position, [tp]))[0].offset
-                _, stable = await self._call(consumer.get_watermark_offsets, tp, 10.0, False)
-                if position >= end or (stable >= end and reached >= 0):
-                    return  # nothing open before the end, and nothing came for a while: only markers were left
-                log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous "
-                            "owner holds it until the broker aborts it)", topic, home[1], max(reached, position), end)
-                last_progress = time.monotonic()
+            await self._note_positions(consumer, reading)
+            for key, part in list(reading.items()):
+                if part.reached >= part.end or await self._stalled_at_markers(consumer, part):
+                    await self._leave(consumer, reading, key)
+                    await self._finish(part, restored, failed)
+
+    @staticmethod
+    def _sorted(messages: list[Any], reading: dict[Changelog, _Restoring]
+                ) -> dict[Changelog, list[tuple[int, bytes | None, bytes | None]]]:
+        """A consumed batch, per changelog partition in log order; end-of-partition events noted."""
+        batches: dict[Changelog, list[tuple[int, bytes | None, bytes | None]]] = {}
+        for msg in messages:
+            key = (msg.topic(), msg.partition())
+            part = reading.get(key)
+            if part is None:
+                continue  # a partition already finished or given up (paused; fetched before it was)
+            error = msg.error()
+            if error is None:
+                batches.setdefault(key, []).append((msg.offset(), msg.key(), msg.value()))
+                part.reached = max(part.reached, msg.offset() + 1)
+            elif error.code() == KafkaError._PARTITION_EOF:
+                part.reached = max(part.reached, msg.offset())
+            else:
+                log.warning("restoring %s/%d: %s", part.topic, part.home[1], error)
+        return batches
+
+    async def _note_positions(self, consumer: Consumer, reading: dict[Changelog, _Restoring]) -> None:
+        """The consumer's position steps over the commit markers: a changelog whose last record is a marker is at
+        its end once its position is, with no wait for an end-of-partition event."""
+        positions = await self._call(consumer.position, [TopicPartition(*key) for key in reading])
+        for tp in positions:
+            part = reading.get((tp.topic, tp.partition))
+            if part is not None and tp.error is None and tp.offset >= 0:
+                part.reached = max(part.reached, tp.offset)
+
+    async def _stalled_at_markers(self, consumer: Consumer, part: _Restoring) -> bool:
+        """Nothing came for a while: finished if only markers were left before the end; else say what it waits
+        for (an open transaction of the previous owner holds the end until the broker aborts it)."""
+        if time.monotonic() - part.last_progress <= _STALL_WARN:
+            return False
+        tp = TopicPartition(*part.partition)
+        _, stable = await self._call(consumer.get_watermark_offsets, tp, 10.0, False)
+        if stable >= part.end and part.reached >= 0:
+            return True
+        log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous owner holds "
+                    "it until the broker aborts it)", part.topic, part.home[1], part.reached, part.end)
+        part.last_progress = time.monotonic()
+        return False
+
+    async def _leave(self, consumer: Consumer, reading: dict[Changelog, _Restoring], key: Changelog) -> None:
+        """This partition is done (finished or given up): no more fetches of it while the others go on."""
+        del reading[key]
+        await self._call(consumer.pause, [TopicPartition(*key)])
+
+    async def _finish(self, part: _Restoring, restored: Restored, failed: dict[Home, Exception]) -> None:
+        part.done = True
+        try:
+            dropped = await self.local.restore_finish(part.home, part.seen)
+            await restored(part.report(dropped))
+        except (KafkaException, StoreError) as e:
+            failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
