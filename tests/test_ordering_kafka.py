@@ -102,6 +102,11 @@ async def test_a_failing_record_holds_back_only_its_own_key_and_the_commit_passe
         assert [k for k, seq, attempt, _ in recorder.done if k == "k3" and seq >= 50] == []
 
         await wait_until(lambda: len(recorder.done) == 2000, within=120, what="every record to succeed")
+
+        async def ended() -> bool:  # the handler's last return comes a moment before the store records it
+            return (await bridge.store.counts())["q"].get("SUCCEEDED", 0) == 150
+
+        await wait_until(ended, within=30, what="the last success recorded")
         counts = (await bridge.store.counts())["q"]
         # Its tasks all ended, key 3 is free again: its next records run on first delivery, no task made. (The lane
         # learns it from the store within a few 200 ms rounds; a record arriving sooner would be parked and, with
