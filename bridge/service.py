@@ -70,7 +70,7 @@ def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, live:
 
 def check_handlers(config: BridgeConfig, registry: Registry) -> None:
     for name, queue in config.queues.items():
-        if queue.handler not in registry:
+        if queue.http is None and queue.handler not in registry:  # an `http:` queue's handler is made from it
             # Not fatal: its records become DEAD rdq.Unroutable, visible and redrivable once deployed.
             log.error("queue %s names handler %r, which is not registered (known: %s)", name, queue.handler,
                       ", ".join(registry.names()), extra={"queue": name})

@@ -191,3 +191,19 @@ async def test_only_a_bounded_part_of_a_response_body_is_read(app: App, monkeypa
         await h(ctx())
     await h.close()
     assert read == [bridge.http_handler.BODY_READ_MAX] and len(str(raised.value)) < 3000
+
+
+def test_an_http_queue_is_not_reported_as_naming_an_unregistered_handler(caplog: pytest.LogCaptureFixture) -> None:
+    """`rdq run` checks each queue's handler at start: an `http:` queue's handler is made from its config, not
+    looked up (the check said "not registered" for it at every start); a queue naming a missing one is reported."""
+    from bridge.service import check_handlers
+
+    config = parse_config({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9"}, "store": {"path": "unused.db"},
+        "queues": {"pay": {"handler": "pay", "sources": ["in"], "dlq_topic": "dlq",
+                           "http": {"url": "http://127.0.0.1:9/pay"}},
+                   "lost": {"handler": "nowhere", "sources": ["in2"], "dlq_topic": "dlq2"}}})
+    with caplog.at_level("ERROR"):
+        check_handlers(config, Registry())
+    assert "queue lost names handler 'nowhere', which is not registered" in caplog.text
+    assert "queue pay" not in caplog.text
