@@ -3,7 +3,8 @@ and an outside checker of the invariants.
 
     python -m bench.nemesis [--seed N] [--seconds S]        (FAULTS_SEED=N replays a seed; `make soak`: long)
 
-Three bridge processes of one group, each with its own store, the changelog on, and three queues:
+Three bridge processes of one group, each with its own store, the changelog on (two of them static members, as
+the Kubernetes example deploys them; the third dynamic), and three queues:
 - `mixed` (ordering: key, binary keys some of whose base64 holds `/`, the breaker on): ok, transient, permanent,
   hang and fixable records (bench/nemesis_handlers.py);
 - `poison`: records whose handler SIGKILLs the bridge running it, every time;
@@ -59,6 +60,10 @@ from tests.kafka_helpers import BridgeProcess, example_log, read_dlq, sources_of
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED_ATTEMPTS, POISON_ATTEMPTS = 6, 3
+# n0 and n1 are static members (`group.instance.id`, as the Kubernetes example): restarted within the session
+# timeout, a bridge takes its own partitions back without a rebalance. n2 is a dynamic member: its every restart
+# is a rebalance (a leave noticed after the session timeout, then a join).
+STATIC = 2
 PAY_BREAKER = {"window": "5s", "min_attempts": 10, "open_for": "1s", "max_open_for": "4s", "reset_after": "20s",
                "ramp": "2s"}
 
@@ -146,6 +151,8 @@ def bridges(run: Run, config: BridgeConfig, log: Path, fixed: Path) -> list[Brid
         (run.tmp / name).mkdir(exist_ok=True)
         tree["store"]["path"] = str(run.tmp / name / "rdq.db")
         tree["engine"]["instance_id"] = name
+        if i < STATIC:  # a stable identity, as deploy/kubernetes gives each pod: a restart takes its partitions back
+            tree["kafka"]["consumer"]["group.instance.id"] = f"nemesis-{run.unique}-{name}"
         out.append(BridgeProcess(parse_config(tree, "<nemesis>"), run.tmp / f"{name}.yaml",
                                  {"RDQ_EXAMPLE_LOG": str(log), "NEMESIS_FIXED": str(fixed)}, name=name))
     return out
