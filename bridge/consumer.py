@@ -16,12 +16,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -109,6 +110,11 @@ class SourceConsumer:
         self._restoring: set[TP] = set()
         self._baseline: dict[TP, int] = {}  # committed offset found at assignment
         self._restores: set[asyncio.Task[None]] = set()
+        # A lost partition's store clean-up under way: assigned again meanwhile, its restore waits for it.
+        self._losing: dict[TP, concurrent.futures.Future[None]] = {}
+        # Each assignment of a partition (counted on the consumer thread): a restore belongs to one, and a restore
+        # of an earlier one (lost, then assigned again) neither goes on nor makes the partition ready.
+        self._epochs: dict[TP, int] = {}
         self._restored: dict[TP, dict[str, Any]] = {}  # the last restore of each partition: tasks, seconds
         # Both replaced whole on the consumer thread (rebalance callbacks), read by the changelog writer's thread.
         self._metadata: Any | None = None
@@ -260,8 +266,9 @@ class SourceConsumer:
         for record in records:
             tp = (record.topic, record.partition)
             by_partition.setdefault(tp, []).append(record)
+        trackers = {}
         for tp, batch in by_partition.items():
-            tracker = self._trackers.setdefault(tp, PartitionTracker())
+            tracker = trackers[tp] = self._trackers.setdefault(tp, PartitionTracker())
             for record in batch:
                 tracker.fetched(record.offset)
         self.stats["records"] += len(records)
@@ -273,19 +280,20 @@ class SourceConsumer:
         while len(self._journaling) >= _JOURNALS_IN_FLIGHT:
             await asyncio.wait([self._journaling[0]])
         previous = self._journaling[-1] if self._journaling else None
-        task = asyncio.create_task(self._journal_then_start(ranges, by_partition, previous), name="rdq-journal")
+        task = asyncio.create_task(self._journal_then_start(ranges, by_partition, previous, trackers),
+                                   name="rdq-journal")
         self._journaling.append(task)
         task.add_done_callback(self._journaling.remove)
 
     async def _journal_then_start(self, ranges: list[tuple[str, int, int, int]],
                                   by_partition: dict[TP, list[SourceRecord]], previous: asyncio.Task[None] | None,
-                                  ) -> None:
+                                  trackers: dict[TP, PartitionTracker]) -> None:
         await self._journal(ranges)
         if previous is not None:
             await asyncio.wait([previous])  # fetch order
         for tp, batch in by_partition.items():
-            if tp not in self._trackers:
-                continue  # revoked meanwhile: left uncommitted for the next owner
+            if self._trackers.get(tp) is not trackers[tp]:
+                continue  # revoked (or lost, and maybe assigned again) meanwhile: left uncommitted, fetched again
             lane = self._lane(tp)
             if not lane.keys_loaded and tp not in self._restoring:
                 await self._load_keys(lane)  # while restoring: once restored (_restore_one), not before
@@ -568,48 +576,63 @@ class SourceConsumer:
         self._writable = self._writable | tps
         if self.changelog is not None:
             self._restoring |= tps  # set here, on the consumer thread: no record of theirs starts before restored
-            self._loop.call_soon_threadsafe(self._start_restore, tps)
+            for tp in tps:
+                self._epochs[tp] = self._epochs.get(tp, 0) + 1
+            epochs = {tp: self._epochs[tp] for tp in tps}
+            losing = [f for tp in tps if (f := self._losing.get(tp)) is not None and not f.done()]
+            self._loop.call_soon_threadsafe(self._start_restore, tps, losing, epochs)
         self._loop.call_soon_threadsafe(self._assigned.update, tps)
         log.info("assigned %s", sorted(f"{t}/{p}" for t, p in tps))
 
     # ---- restore (SPEC §10) --------------------------------------------------------------------------------
 
-    def _start_restore(self, tps: set[TP]) -> None:
-        task = asyncio.create_task(self._restore_all(tps), name="rdq-restore")
+    def _start_restore(self, tps: set[TP], losing: list[concurrent.futures.Future[None]],
+                       epochs: dict[TP, int]) -> None:
+        task = asyncio.create_task(self._restore_all(tps, losing, epochs), name="rdq-restore")
         self._restores.add(task)
         task.add_done_callback(self._restores.discard)
 
-    async def _restore_all(self, tps: set[TP]) -> None:
+    def _restoring_now(self, epochs: dict[TP, int]) -> Callable[[TP], bool]:
+        """Is this partition still restoring for the assignment these epochs are of?"""
+        return lambda tp: tp in self._restoring and self._epochs.get(tp) == epochs.get(tp)
+
+    async def _restore_all(self, tps: set[TP], losing: Sequence[concurrent.futures.Future[None]],
+                           epochs: dict[TP, int]) -> None:
         """The assignment's partitions restore at once (one consumer); each is ready as soon as its own restore
         ends. One that failed (the broker away, its changelog topic not there yet) is retried alone, with a
-        backoff."""
+        backoff. A partition lost and assigned again at once (a static member back within its session): its
+        restore waits for the lost one's clean-up, which drops what this file held of it."""
         assert self.changelog is not None
+        for future in losing:
+            with contextlib.suppress(Exception):  # _lose logs its own failures
+                await asyncio.wrap_future(future)
         metrics = self.changelog.telemetry.metrics
         for tp in tps:
             metrics.restoring.labels(f"{tp[0]}/{tp[1]}").set(1)
         # The source offsets, asked once for the whole assignment while its changelogs are read.
         starts = asyncio.ensure_future(self._start_offsets(tps))
-        failed = await self.changelog.restorer.restore_many(sorted(tps), lambda tp: tp in self._restoring,
-                                                            functools.partial(self._restored_one, starts=starts))
+        current = self._restoring_now(epochs)
+        failed = await self.changelog.restorer.restore_many(
+            sorted(tps), current, functools.partial(self._restored_one, starts=starts, current=current))
         for tp in sorted(failed):
-            if tp in self._restoring:
+            if current(tp):
                 log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, failed[tp])
-                await self._restore_one(tp)
+                await self._restore_one(tp, current)
         await self._drop_strangers()
 
-    async def _restore_one(self, tp: TP) -> None:
+    async def _restore_one(self, tp: TP, current: Callable[[TP], bool]) -> None:
         """One partition's restore, again and again (with a backoff) until it succeeds or the partition goes."""
         assert self.changelog is not None
         delay = 0.5
-        while tp in self._assigned or tp in self._restoring:
+        while current(tp):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
             try:
-                report = await self.changelog.restorer.restore(tp, wanted=lambda: tp in self._restoring)
-                await self._restored_one(report)
+                report = await self.changelog.restorer.restore(tp, wanted=lambda: current(tp))
+                await self._restored_one(report, current=current)
                 return
             except (RestoreFailed, KafkaException, StoreError) as e:
-                if tp not in self._restoring:
+                if not current(tp):
                     return
                 if tp[0] not in self.changelog.restorer.topics and self.changelog.ensure_topics is not None:
                     with contextlib.suppress(Exception):  # the topic's check says why, in the next log line
@@ -619,20 +642,20 @@ class SourceConsumer:
                         continue
                 log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, e)
 
-    async def _restored_one(self, report: RestoreReport,
+    async def _restored_one(self, report: RestoreReport, current: Callable[[TP], bool],
                             starts: asyncio.Future[dict[TP, int | None]] | None = None) -> None:
         """A partition's tasks are in the store: its source offset known, its keys read, it runs. `starts`: the
         assignment's source offsets, being asked (else, or if that failed, asked for this partition now)."""
         assert self.changelog is not None and self._consumer is not None
         tp = report.home
-        if tp not in self._restoring:
-            return  # revoked while restoring
+        if not current(tp):
+            return  # revoked (or lost) while restoring
         known: dict[TP, int | None] = {}
         if starts is not None:
             with contextlib.suppress(KafkaException):
                 known = await starts
         offset = known[tp] if tp in known else (await self._start_offsets({tp}))[tp]
-        if tp not in self._restoring:
+        if not current(tp):
             return
         if offset is not None:
             self._baseline[tp] = offset
@@ -640,6 +663,8 @@ class SourceConsumer:
         lane = self._lanes.get(tp)
         if lane is not None and not lane.keys_loaded:
             await self._load_keys(lane)  # the restored tasks' keys: read now, not when the first records came
+        if not current(tp):
+            return
         self._restoring.discard(tp)
         label = f"{tp[0]}/{tp[1]}"
         metrics = self.changelog.telemetry.metrics
@@ -718,7 +743,14 @@ class SourceConsumer:
         # round already under way (it filters with these at produce time), before _lose has dropped them.
         self._writable = self._writable - tps
         self._metadata = None
-        asyncio.run_coroutine_threadsafe(self._lose(tps), self._loop)
+        # Here too, on this thread, before an assignment of the same partitions that may follow at once (a static
+        # member back within its session): that one sets them restoring again, and must find them forgotten —
+        # not forgotten after it, when a late clean-up wiped the new assignment's state and left them unowned.
+        self._restoring -= tps
+        self._loop.call_soon_threadsafe(self._forget_state, tps)
+        future = asyncio.run_coroutine_threadsafe(self._lose(tps), self._loop)
+        for tp in tps:
+            self._losing[tp] = future
         log.warning("partitions lost %s: their uncommitted records will be redelivered", sorted(tps))
 
     async def _release(self, tps: set[TP]) -> list[TopicPartition]:
@@ -813,17 +845,31 @@ class SourceConsumer:
 
     async def _lose(self, tps: set[TP]) -> None:
         """Partitions lost (this instance was out of the group): another owns them already; whatever this file
-        holds of theirs that the changelog does not is lost to it (those attempts run again there)."""
-        if self.changelog is not None:
+        holds of theirs that the changelog does not is lost to it (those attempts run again there). What this
+        process knew of them is forgotten already (`_forget_state`, scheduled by `_on_lost`)."""
+        try:
+            if self.changelog is not None:
+                for tp in tps:
+                    await self._changelog_call(self.changelog.local.set_home(tp, None))
+                await self.changelog.hand_over(tps, 0.0)
+                for tp in tps:
+                    await self._changelog_call(self.changelog.local.drop_home(tp))
+            # Not the journal of a partition assigned again meanwhile: its new records may be journaled already
+            # (the rows of the lost assignment stay with them: suspects at worst, pruned at the next revoke).
+            await self._forget_journal(tps - self._restoring - self._assigned)
+        finally:
             for tp in tps:
-                await self._changelog_call(self.changelog.local.set_home(tp, None))
-            await self.changelog.hand_over(tps, 0.0)
-            for tp in tps:
-                await self._changelog_call(self.changelog.local.drop_home(tp))
-        await self._forget(tps)
+                if (future := self._losing.get(tp)) is not None and future.done():
+                    del self._losing[tp]
 
     async def _forget(self, tps: set[TP]) -> None:
         self._restoring -= tps
+        self._forget_state(tps)
+        await self._forget_journal(tps)
+
+    def _forget_state(self, tps: set[TP]) -> None:
+        """What this process holds of these partitions, in memory: dropped (their records not started stay
+        uncommitted for the next owner)."""
         for tp in tps:
             self._baseline.pop(tp, None)
             self._trackers.pop(tp, None)
@@ -834,6 +880,8 @@ class SourceConsumer:
             self._suspects.pop(tp, None)
         self._assigned -= tps
         self._paused -= tps
+
+    async def _forget_journal(self, tps: set[TP]) -> None:
         # The journal's rows for these partitions (this run's and earlier runs') mark suspects only for this
         # instance; the next owner starts from the committed offset without them. Kept, they would only grow.
         try:

@@ -33,6 +33,7 @@ from tests.helpers import failure
 from tests.kafka_helpers import (
     BridgeProcess,
     account,
+    committed_lag,
     example_log,
     kafka_config,
     produce,
@@ -520,3 +521,44 @@ async def test_an_assignments_partitions_restore_at_once_and_an_open_transaction
     finally:
         with contextlib.suppress(Exception):
             holder.abort_transaction(5)
+
+
+async def test_a_partition_lost_and_assigned_again_at_once_is_restored_and_runs(kafka: Any, tmp_path: Path) -> None:
+    """A static member back within its session: librdkafka reports its partitions lost and assigns them again
+    ~100 ms later, while the lost ones' clean-up (hand-over, dropping the file's copy) is still running. The new
+    assignment restores after that clean-up and runs; before, the late clean-up wiped the new assignment's state:
+    the partition stayed unowned, its tasks dropped from this file, its records not run (seen in the nemesis)."""
+    from confluent_kafka import TopicPartition
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1, backoff={"kind": "fixed", "base": "1h"})
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    produce(config, topic, [(f"k{i}".encode(), b'{"fail": 5}', []) for i in range(5)])
+    async with running_bridge(config) as bridge:
+        assert bridge.changelog is not None
+        await wait_until(lambda: bridge.consumer.owns(topic, 0) and committed_lag(config, topic) == 0, within=60,
+                         what="5 tasks in the changelog, their offsets committed")
+        hand_over = bridge.changelog.hand_over
+
+        async def slow_hand_over(tps: Any, grace: float) -> Any:  # the clean-up outlives the next assignment
+            await asyncio.sleep(1.0)
+            return await hand_over(tps, grace)
+
+        bridge.consumer.changelog.hand_over = slow_hand_over  # type: ignore[union-attr]
+        consumer = bridge.consumer._consumer
+        partitions = [TopicPartition(topic, 0)]
+
+        def lost_then_assigned() -> None:  # on the consumer thread, as librdkafka calls them inside consume
+            bridge.consumer._on_lost(consumer, partitions)
+            bridge.consumer._on_assign(consumer, partitions)
+
+        await bridge.consumer._call(lost_then_assigned)
+        await asyncio.sleep(1.5)  # past the slow clean-up
+        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=30, what="the partition owned again")
+        assert (await bridge.store.counts())["q"]["PENDING"] == 5  # restored after the clean-up, not wiped by it
+        produce(config, topic, [(b"later", b'{"fail": 0}', [])])
+        await wait_until(lambda: bridge.consumer.stats["records"] == 6, within=30, what="a new record consumed")
+        await wait_until(lambda: committed_lag(config, topic) == 0, within=30, what="the new record done, committed")
+        counts = {status: n for status, n in (await bridge.store.counts())["q"].items() if n}
+        assert counts == {"PENDING": 5}  # it succeeded: no task of its own
