@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from bridge.model import Status
 from localkafka import BrokerError, LocalBroker
@@ -71,3 +73,45 @@ async def _published(bridge: object, task_id: str) -> bool:
 async def _dead_and_published(bridge: object, n: int) -> bool:
     tasks = await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[attr-defined]
     return len(tasks) == n and all(t.dlq_state == "PUBLISHED" for t in tasks)
+
+
+class _Wedged:
+    """A changelog producer whose every round fails retryably while its aborts succeed (the nemesis saw one:
+    AddOffsetsToTxn requests timing out unsent in the coordinator connection's queue, for minutes)."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+        self.failed = 0
+
+    def send_offsets_to_transaction(self, *args: Any) -> None:
+        self.failed += 1
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to add offsets to transaction: timed out",
+                                        retriable=True))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._producer, name)
+
+
+async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is_replaced(
+        kafka: Any, tmp_path: Path) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, "wedged",
+                          {"q": {"handler": "permanent", "sources": ["in-wedged"], "dlq_topic": "in-wedged.dlq"}},
+                          kafka={"topic_partitions": 1})
+    async with running_bridge(config) as bridge:
+        assert bridge.changelog is not None
+        writer = bridge.changelog.writer
+        await wait_until(lambda: bridge.consumer.owns("in-wedged", 0), within=60, what="the partition owned")
+        await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
+        wedged = writer._producer = _Wedged(writer._producer)  # type: ignore[assignment]
+        produce(config, "in-wedged", [(b"k", b"{}", [])])
+        await wait_until(lambda: wedged.failed >= 1, within=60, what="a round failing")
+
+        async def dead() -> list[Any]:
+            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
+
+        await wait_until(dead, within=60, what="the record dead")
+        [task] = await dead()
+        await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by a new producer")
+        assert writer._producer is not wedged and wedged.failed >= 5
+    records = await aread_dlq(kafka.bootstrap_servers, "in-wedged.dlq", settle=3.0)
+    assert [r.source for r in records] == ["kafka://in-wedged/0/0"]

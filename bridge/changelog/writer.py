@@ -37,6 +37,7 @@ _BATCH = 5000  # outbox rows per transaction
 _TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
 _COMMIT_PATIENCE = 300.0  # a commit resumed this long unacknowledged: the producer is replaced
 _ABORT_TRIES = 5  # aborts failed in a row: the producer is replaced
+_ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: the producer is replaced
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
@@ -108,6 +109,7 @@ class ChangelogWriter:
         self._kick = asyncio.Event()
         self._rounds = 0  # rounds that succeeded
         self._abort_failures = 0  # aborts failed in a row
+        self._round_failures = 0  # rounds failed in a row, fenced ones not counted
         self.healthy = True
         self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
         # Where the rounds' time goes (one round at a time: these add up to the writer's busy time).
@@ -227,6 +229,8 @@ class ChangelogWriter:
             try:
                 ok = await self._round()
                 self._rounds += ok  # a round that succeeded: its offsets, read at its start, are committed
+                if ok:
+                    self._round_failures = 0
                 return ok
             except StoreError as e:
                 log.error("changelog round failed on the store (retrying): %s", e)
@@ -392,6 +396,7 @@ class ChangelogWriter:
         self.healthy = False
         code = error.code() if isinstance(error, KafkaError) else None
         fenced = code in _FENCED
+        self._round_failures += not fenced
         self.stats["aborted"] += 1
         self.telemetry.metrics.changelog_commits.labels("fenced" if fenced else "aborted").inc()
         if fenced:
@@ -411,6 +416,15 @@ class ChangelogWriter:
             try:
                 await self._call(self._producer.abort_transaction, 30.0)
                 self._abort_failures = 0
+                if self._round_failures < _ROUND_TRIES:
+                    return
+                # Round after round failing, each aborted cleanly: a producer wedged where librdkafka does not
+                # heal it (the nemesis saw 7 minutes of AddOffsetsToTxn requests timing out in the coordinator
+                # connection's queue, unsent). A new producer with the same transactional.id starts afresh.
+                log.warning("%d changelog rounds failed in a row; starting a new producer", self._round_failures)
+                self._round_failures = 0
+                self._producer = None
+                await self._start_producer(asyncio.Event())
                 return
             except KafkaException as e:
                 failure = e.args[0]
