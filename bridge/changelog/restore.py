@@ -146,7 +146,7 @@ class Restorer:
             reading: dict[Changelog, _Restoring] = {}
             for key, part in parts.items():
                 if part.empty:
-                    await self._finish(part, restored, failed)
+                    await self._finish(part, restored, failed, wanted)
                 else:
                     part.existing = await self.local.home_ids(part.home)
                     reading[key] = part
@@ -204,7 +204,7 @@ class Restorer:
             for key, part in list(reading.items()):
                 if part.reached >= part.end or await self._stalled_at_markers(consumer, part):
                     await self._leave(consumer, reading, key)
-                    await self._finish(part, restored, failed)
+                    await self._finish(part, restored, failed, wanted)
 
     @staticmethod
     def _sorted(messages: list[Any], reading: dict[Changelog, _Restoring]
@@ -254,8 +254,15 @@ class Restorer:
         del reading[key]
         await self._call(consumer.pause, [TopicPartition(*key)])
 
-    async def _finish(self, part: _Restoring, restored: Restored, failed: dict[Home, Exception]) -> None:
+    async def _finish(self, part: _Restoring, restored: Restored, failed: dict[Home, Exception],
+                      wanted: Callable[[Home], bool]) -> None:
+        """The partition's restore ends: what the changelog no longer holds leaves the file. Not for a partition no
+        longer wanted: a restore of an earlier assignment (its ends asked slowly, say) must not drop what a later
+        one restored and logged since."""
         part.done = True
+        if not wanted(part.home):
+            failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: no longer assigned")
+            return
         try:
             dropped = await self.local.restore_finish(part.home, part.seen)
             await restored(part.report(dropped))
