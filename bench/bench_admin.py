@@ -32,7 +32,7 @@ import yaml
 import handlers  # noqa: F401 - the example handlers (`permanent`)
 from bench.bench_kafka import PAYLOAD, bench_config, broker, produce
 from bench.common import record
-from bridge.admin_client import AdminSession
+from bridge.admin.client import AdminSession
 from bridge.config import BridgeConfig
 from bridge.kafka_clients import ensure_topics
 from bridge.model import Status

@@ -31,7 +31,7 @@ from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics, make_restore_consumer
 from bridge.registry import Registry
 from bridge.service import Bridge
-from bridge.store import Store
+from bridge.store.tasks import Store
 
 STACK = "Traceback (most recent call last):\n  File \"app.py\", line 12, in handle\nConnectionError: refused\n"
 

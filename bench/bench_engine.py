@@ -20,12 +20,12 @@ from pathlib import Path
 from bench.common import percentile, record, rss_mib
 from bridge.clock import SystemClock
 from bridge.config import parse_config
-from bridge.engine import Engine
+from bridge.engine.core import Engine
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
-from bridge.queries import q
 from bridge.registry import Registry
-from bridge.store import RunReport, Store
+from bridge.store.queries import q
+from bridge.store.tasks import RunReport, Store
 
 PAYLOAD = b'{"order": 12345, "items": [1, 2, 3], "note": "' + b"x" * 900 + b'"}'  # ~1 KB
 _OFFSETS = itertools.count()

@@ -36,19 +36,19 @@ from bench.bench_engine import new_failures, plain_inserts
 from bench.common import percentile, record, rss_mib
 from bridge.clock import SystemClock
 from bridge.config import BridgeConfig, TelemetryConfig, parse_config
-from bridge.dlq import DlqPublisher, build_record
-from bridge.first_delivery import FirstDelivery
+from bridge.dlq.publisher import DlqPublisher, build_record
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics, make_admin, make_dlq_producer
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
-from bridge.offsets import PartitionTracker
-from bridge.queries import q
 from bridge.records import SourceRecord
 from bridge.registry import REGISTRY, Registry
 from bridge.service import Bridge, open_bridge
-from bridge.store import Store
-from bridge.telemetry import Telemetry, sampler
+from bridge.source.first_delivery import FirstDelivery
+from bridge.source.offsets import PartitionTracker
+from bridge.store.queries import q
+from bridge.store.tasks import Store
+from bridge.telemetry.core import Telemetry, sampler
 from localkafka import LocalBroker
 
 PAYLOAD = b'{"fail": 0, "pad": "' + b"x" * 1000 + b'"}'  # ~1 KB

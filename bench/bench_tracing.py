@@ -22,13 +22,13 @@ from opentelemetry.trace import SpanKind
 from bench.common import record
 from bridge.clock import SystemClock
 from bridge.config import parse_config
-from bridge.first_delivery import FirstDelivery
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.store import Store
-from bridge.telemetry import Telemetry
+from bridge.source.first_delivery import FirstDelivery
+from bridge.store.tasks import Store
+from bridge.telemetry.core import Telemetry
 
 
 class DropExporter(SpanExporter):

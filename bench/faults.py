@@ -30,8 +30,8 @@ from bench.common import record
 from bridge.config import BridgeConfig, parse_config
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics
-from bridge.queries import migrations
 from bridge.registry import REGISTRY
+from bridge.store.queries import migrations
 from localkafka import LocalBroker
 from tests.kafka_helpers import (
     Accounting,

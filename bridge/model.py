@@ -98,6 +98,16 @@ def parse_rfc3339(value: str | None) -> int | None:
     return round(parsed.timestamp() * 1000)
 
 
+def error_type_name(kind: type[BaseException]) -> str:
+    """How an exception type is named in tasks, DLQ envelopes, metrics and `errors:` lists: `module.Class`
+    (`ValueError` alone for a builtin). A class of the bridge that moved to another module keeps the name it had
+    (its own `stable_name`), so stored tasks, filters and users' configs go on matching it."""
+    stable = vars(kind).get("stable_name")
+    if isinstance(stable, str):
+        return stable
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 @dataclass(frozen=True)
 class ErrorInfo:
     type: str
@@ -109,9 +119,7 @@ class ErrorInfo:
 
     @classmethod
     def from_exception(cls, exc: BaseException, stack: str | None = None) -> ErrorInfo:
-        kind = type(exc)
-        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-        return cls(name, str(exc), stack)
+        return cls(error_type_name(type(exc)), str(exc), stack)
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,14 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from bridge.admin import AdminCommands, AdminLoop
+from bridge.admin.loop import AdminCommands, AdminLoop
 from bridge.changelog.local import LocalIndex
 from bridge.changelog.restore import Restorer
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
-from bridge.consumer import Changelog, SourceConsumer
-from bridge.dlq import DlqPublisher
-from bridge.engine import Engine, default_instance_id, supervise
-from bridge.first_delivery import FirstDelivery
-from bridge.health import HealthServer
-from bridge.http_handler import HttpHandler
+from bridge.dlq.publisher import DlqPublisher
+from bridge.engine.core import Engine, default_instance_id, supervise
 from bridge.kafka_clients import (
     broker_reachable,
     make_admin,
@@ -44,9 +40,13 @@ from bridge.kafka_clients import (
 from bridge.live_config import LiveConfig
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
-from bridge.store import Store
-from bridge.telemetry import Telemetry
-from bridge.workers import WorkerServer
+from bridge.source.consumer import Changelog, SourceConsumer
+from bridge.source.first_delivery import FirstDelivery
+from bridge.store.tasks import Store
+from bridge.telemetry.core import Telemetry
+from bridge.telemetry.health import HealthServer
+from bridge.workers.http_handler import HttpHandler
+from bridge.workers.server import WorkerServer
 
 log = logging.getLogger(__name__)
 

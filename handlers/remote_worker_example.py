@@ -16,7 +16,7 @@ import os
 import time
 
 from bridge.handler_api import Permanent
-from bridge.worker_client import RemoteTask, WorkerClient
+from bridge.workers.client import RemoteTask, WorkerClient
 from handlers.examples import append_example_log
 
 

@@ -12,7 +12,7 @@ import sys
 
 from bridge.clock import SystemClock
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
-from bridge.store import RunReport, Store
+from bridge.store.tasks import RunReport, Store
 
 
 def ack(line: str) -> None:

@@ -18,8 +18,8 @@ from confluent_kafka import Consumer, Producer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.admin_client import AdminSession
-from bridge.admin_protocol import encode_command, sign
+from bridge.admin.client import AdminSession
+from bridge.admin.protocol import encode_command, sign
 from bridge.config import BridgeConfig
 from bridge.handler_api import HandlerContext
 from bridge.registry import Registry
@@ -225,7 +225,7 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
     reason (it answered `ok: true, count: 0`, which a script reads as success). With the changelog (SPEC §10) the
     owner is the only one that may (a task lives with its partition), and a record whose partition is gone goes
     home to the partition its key chooses; without it, naming an instance overrides."""
-    from bridge.dlq import build_record
+    from bridge.dlq.publisher import build_record
     from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task, new_task_id
 
     registry, switch = switch_registry()
@@ -440,7 +440,7 @@ async def test_forged_refusals_are_not_taken_for_answers_to_a_genuine_request(ka
 
 
 def test_one_answer_per_instance_a_replayed_refusal_after_the_answer_is_not_an_answer() -> None:
-    from bridge.admin_client import Replies
+    from bridge.admin.client import Replies
 
     replies = Replies("r")
     ok = {"instance": "a", "ok": True, "verified": True, "result": {}}
@@ -488,7 +488,7 @@ def test_correctly_signed_garbage_is_refused_clearly_and_the_loop_serves_on(
     or a verified refusal with a reason, never `Internal` — and a valid command after it still runs."""
     loop, admin, sent = garbage_admin
     body: dict[str, Any] = {"request_id": uuid.uuid4().hex, "command": command, "args": args,
-                            "issued_at": __import__("bridge.admin_protocol").admin_protocol.now_rfc3339(),
+                            "issued_at": __import__("bridge.admin.protocol").admin.protocol.now_rfc3339(),
                             "issued_by": "fuzz", **{k: v for k, v in extra.items() if k not in ("request_id",)}}
     if drop is not None:
         body.pop(drop, None)
@@ -513,10 +513,10 @@ def test_correctly_signed_garbage_is_refused_clearly_and_the_loop_serves_on(
 
 def test_replay_protection_holds_across_a_restart(tmp_path: Path) -> None:
     """The same signed bytes after the bridge restarted on the same store: refused as Replayed, not run again."""
-    from bridge.admin import AdminCommands, AdminLoop
-    from bridge.engine import Engine
+    from bridge.admin.loop import AdminCommands, AdminLoop
+    from bridge.engine.core import Engine
     from bridge.live_config import LiveConfig
-    from bridge.store import Store
+    from bridge.store.tasks import Store
     from tests.helpers import engine_config
 
     config = engine_config(str(tmp_path / "rdq.db")).model_copy(update={"admin": admin_config_model()})
@@ -547,10 +547,10 @@ def test_replay_protection_holds_across_a_restart(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An AdminLoop with a real store; replies captured instead of produced (the loop's logic, not Kafka)."""
-    from bridge.admin import AdminCommands, AdminLoop
-    from bridge.engine import Engine
+    from bridge.admin.loop import AdminCommands, AdminLoop
+    from bridge.engine.core import Engine
     from bridge.live_config import LiveConfig
-    from bridge.store import Store
+    from bridge.store.tasks import Store
     from tests.helpers import engine_config
 
     tmp = tmp_path_factory.mktemp("garbage")
@@ -564,7 +564,7 @@ def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
     sent: list[bytes] = []
 
     async def capture(request_id: Any, result: Any = None, error: Any = None, partial: bool = False) -> None:
-        from bridge.admin_protocol import reply
+        from bridge.admin.protocol import reply
         sent.append(reply(request_id, "g", result, error, partial, error.verified if error else True))
 
     admin._send = capture  # type: ignore[method-assign]
@@ -582,7 +582,7 @@ def admin_config_model() -> Any:
 
 async def test_rdq_store_reads_a_store_file_without_kafka(tmp_path: Path) -> None:
     from bridge.model import ErrorInfo
-    from bridge.store import Store
+    from bridge.store.tasks import Store
     from tests.helpers import failure
 
     store = await Store.open(tmp_path / "rdq.db")

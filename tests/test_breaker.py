@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bridge.breaker import Breaker, State
 from bridge.clock import FakeClock
 from bridge.config import BreakerConfig
+from bridge.engine.breaker import Breaker, State
 from bridge.model import Outcome
 
 OK, RETRY, PERMANENT, LAPSED = (Outcome.SUCCESS, Outcome.RETRYABLE_FAILURE, Outcome.PERMANENT_FAILURE,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bridge.breaker import State
 from bridge.config import BridgeConfig
+from bridge.engine.breaker import State
 from bridge.service import Bridge
 from localkafka.broker import free_port
 from tests.conftest import KafkaEnv
@@ -121,7 +121,7 @@ async def test_a_long_outage_with_two_attempts_puts_nothing_in_the_dlq(kafka: Ka
     """max_attempts: 2 (a first delivery and one retry) and an outage of many half-open rounds: each probe is a
     real request, yet its retryable failure spends no attempt (SPEC §11). Before, every failed probe dead-lettered
     its task while the downstream was down."""
-    from bridge.scheduler import PROBE_NOTE
+    from bridge.engine.scheduler import PROBE_NOTE
 
     config = config_for(kafka, tmp_path, unique, downstream.port, max_attempts=2,
                         breaker={**BREAKER, "max_open_for": "1s"})
@@ -231,7 +231,7 @@ async def test_an_operator_holds_a_healthy_queue_open_and_releases_it_and_forger
     """`breaker open` (signed) holds a healthy queue: nothing consumed, nothing claimed; `breaker close` releases
     it. With a manual `pause` too, closing the breaker is not enough: the queue runs only when neither holds it.
     Unsigned or badly signed `breaker` commands are refused and change nothing."""
-    from bridge.admin_protocol import encode_command
+    from bridge.admin.protocol import encode_command
     from bridge.handler_api import HandlerContext
     from bridge.registry import Registry
     from tests.test_admin import RawAdmin, admin_config, one

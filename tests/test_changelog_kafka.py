@@ -28,7 +28,7 @@ from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig, parse_config
 from bridge.kafka_clients import ensure_topics, make_changelog_producer, make_consumer
-from bridge.store import Store
+from bridge.store.tasks import Store
 from tests.helpers import failure
 from tests.kafka_helpers import (
     BridgeProcess,

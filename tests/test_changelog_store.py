@@ -14,7 +14,7 @@ import pytest
 from bridge.changelog.codec import SCHEMA, Unreadable, decode
 from bridge.changelog.local import LocalIndex
 from bridge.model import ErrorInfo, NewTask, Outcome, Status
-from bridge.store import Store
+from bridge.store.tasks import Store
 from tests.helpers import T0, failure, report
 
 HOME = ("src", 0)
@@ -61,7 +61,7 @@ async def test_every_transition_is_in_the_outbox_but_a_heartbeat_is_not(tmp_path
 async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path) -> None:
     """The outbox reads its rows as plain dicts (faster than sqlite3.Row by name): the records must be the same
     bytes as the one-task path (a DLQ snapshot, the premigration) makes from `sqlite3.Row`s."""
-    from bridge.queries import q
+    from bridge.store.queries import q
 
     store, local = await scoped_store(tmp_path)
     try:

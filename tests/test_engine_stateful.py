@@ -17,11 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bridge.clock import FakeClock
 from bridge.config import parse_config
+from bridge.engine.policy import decide
+from bridge.engine.sweep import Sweeper
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, Task
-from bridge.policy import decide
-from bridge.store import RunReport, Store
-from bridge.sweep import Sweeper
+from bridge.store.tasks import RunReport, Store
 
 MAX_ATTEMPTS = 3
 DELAYS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**400), 10**400))

@@ -10,8 +10,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from bridge.dlq import envelope
-from bridge.foreign_dlq import (
+from bridge.dlq.foreign import (
     CONNECT,
     IMPORTED_FORMAT,
     IMPORTED_FROM,
@@ -22,6 +21,7 @@ from bridge.foreign_dlq import (
     NotImportable,
     to_task,
 )
+from bridge.dlq.publisher import envelope
 from bridge.model import ErrorInfo, Outcome, Status, Task
 from bridge.records import HEADERS_JSON, KEY_B64, SOURCE, TIMESTAMP, TRACEPARENT
 
@@ -151,7 +151,7 @@ def test_a_malformed_number_refuses_its_record_with_the_reason(headers: list[tup
     lambda e: e.update(task=[]),
 ])
 def test_a_malformed_envelope_is_refused_and_so_is_its_redrive(change: object) -> None:
-    from bridge.foreign_dlq import decode_envelope
+    from bridge.dlq.foreign import decode_envelope
 
     original = to_task(record(CONNECT_HEADERS), "q", "h")[1]
     body = json.loads(json.dumps(envelope(original)))

@@ -14,14 +14,14 @@ from aiohttp import web
 
 from bridge.clock import SystemClock
 from bridge.config import HttpHandlerConfig, parse_config
-from bridge.first_delivery import FirstDelivery
 from bridge.handler_api import HandlerContext
-from bridge.http_handler import HttpHandler, HttpPermanentError, HttpRetryableError, retry_after_seconds
 from bridge.live_config import LiveConfig
 from bridge.model import Status
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.store import Store
+from bridge.source.first_delivery import FirstDelivery
+from bridge.store.tasks import Store
+from bridge.workers.http_handler import HttpHandler, HttpPermanentError, HttpRetryableError, retry_after_seconds
 from localkafka.broker import free_port
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -175,22 +175,22 @@ async def test_a_record_s_content_type_or_tracestate_with_cr_lf_cannot_break_the
 
 
 async def test_only_a_bounded_part_of_a_response_body_is_read(app: App, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bridge.http_handler
+    import bridge.workers.http_handler
 
     read: list[int] = []
-    original = bridge.http_handler.read_body
+    original = bridge.workers.http_handler.read_body
 
-    async def counting(response: Any, limit: int = bridge.http_handler.BODY_READ_MAX) -> str:
+    async def counting(response: Any, limit: int = bridge.workers.http_handler.BODY_READ_MAX) -> str:
         text = await original(response, limit)
         read.append(len(text))
         return text
 
-    monkeypatch.setattr(bridge.http_handler, "read_body", counting)
+    monkeypatch.setattr(bridge.workers.http_handler, "read_body", counting)
     h = handler(app.port, "huge")
     with pytest.raises(HttpRetryableError) as raised:
         await h(ctx())
     await h.close()
-    assert read == [bridge.http_handler.BODY_READ_MAX] and len(str(raised.value)) < 3000
+    assert read == [bridge.workers.http_handler.BODY_READ_MAX] and len(str(raised.value)) < 3000
 
 
 def test_an_http_queue_is_not_reported_as_naming_an_unregistered_handler(caplog: pytest.LogCaptureFixture) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bridge.config import BridgeConfig
-from bridge.foreign_dlq import IMPORTED_FORMAT
+from bridge.dlq.foreign import IMPORTED_FORMAT
 from bridge.model import Status
 from bridge.records import SOURCE
 from tests.conftest import KafkaEnv

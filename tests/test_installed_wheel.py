@@ -49,10 +49,10 @@ def _fresh_venv(where: Path, wheel: Path) -> Path:
 def test_the_wheel_carries_every_schema_migration(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {p.name for p in (ROOT / "bridge" / "sql" / "migrations").glob("*.sql")}
+    shipped = {p.name for p in (ROOT / "bridge" / "store" / "sql" / "migrations").glob("*.sql")}
     assert shipped, "the checkout has migrations"
-    assert {f"bridge/sql/migrations/{n}" for n in shipped} <= names
-    assert "bridge/sql/queries.sql" in names
+    assert {f"bridge/store/sql/migrations/{n}" for n in shipped} <= names
+    assert "bridge/store/sql/queries.sql" in names
 
 
 def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique: str,
@@ -117,13 +117,13 @@ def test_a_failed_start_exits_with_a_clear_message(tmp_path: Path) -> None:
 
 _BROKEN_INSTALL = """
 import asyncio, sys
-import bridge.store
-from bridge.store import Store, StoreError
+import bridge.store.tasks
+from bridge.store.tasks import Store, StoreError
 
 def missing():
-    raise FileNotFoundError("site-packages/bridge/sql/migrations")
+    raise FileNotFoundError("site-packages/bridge/store/sql/migrations")
 
-bridge.store.migrations = missing
+bridge.store.tasks.migrations = missing
 try:
     asyncio.run(Store.open(sys.argv[1]))
 except StoreError as e:

@@ -288,10 +288,10 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
     retried for ever ahead of all others, and the build error stopped the bridge (a crash loop)."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from bridge.admin import AdminCommands
-    from bridge.admin_protocol import StatsArgs
+    from bridge.admin.loop import AdminCommands
+    from bridge.admin.protocol import StatsArgs
     from bridge.model import ErrorInfo
-    from bridge.store import Store
+    from bridge.store.tasks import Store
     from tests.helpers import failure
 
     dlq = f"dlq-{unique}"
@@ -337,7 +337,7 @@ async def test_a_dlq_publish_the_store_cannot_record_yet_is_not_sent_twice(
     """The broker acknowledged the DLQ record, but the store could not record it (a full disk fails the whole
     group commit the mark is in). The mark is retried; the record was sent again each round (duplicates)."""
     from bridge.model import ErrorInfo
-    from bridge.store import Store, StoreError
+    from bridge.store.tasks import Store, StoreError
     from tests.helpers import failure
 
     dlq = f"dlq-{unique}"

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from bridge.clock import SystemClock
-from bridge.first_delivery import FirstDelivery, Ran
 from bridge.handler_api import HandlerContext
-from bridge.lanes import Lane
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.store import Store
+from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.lanes import Lane
+from bridge.store.tasks import Store
 from bridge.threads import HandlerThreads
 from tests.helpers import engine_config, eventually
 
@@ -191,7 +191,7 @@ def test_a_failures_stack_reads_as_pythons_own_without_the_carets() -> None:
     import re
     import traceback
 
-    from bridge.runner import format_stack
+    from bridge.engine.runner import format_stack
 
     def inner() -> None:
         raise ValueError("boom")

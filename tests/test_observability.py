@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.records import trace_id
-from bridge.telemetry import Telemetry
+from bridge.telemetry.core import Telemetry
 from localkafka import LocalBroker
 from tests.conftest import KafkaEnv
 from tests.kafka_helpers import aread_dlq, example_log, kafka_config, produce, running_bridge, wait_until
@@ -102,7 +102,7 @@ async def test_the_parent_based_sampler_builds_spans_only_for_sampled_records(
     unsampled (00) and one without a traceparent are not — and the latter's task carries the decision (00), so
     its retry and anything downstream of it are not traced either."""
     from bridge.config import TelemetryConfig
-    from bridge.telemetry import sampler
+    from bridge.telemetry.core import sampler
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=sampler(0.0))

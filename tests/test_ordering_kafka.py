@@ -17,7 +17,7 @@ from bridge.handler_api import HandlerContext, Permanent
 from bridge.kafka_clients import ensure_topics
 from bridge.model import Status
 from bridge.registry import Registry
-from bridge.store_reader import StoreReader
+from bridge.store.reader import StoreReader
 from tests.conftest import KafkaEnv
 from tests.kafka_helpers import (
     BridgeProcess,

@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bridge.changelog.local import LocalIndex
 from bridge.model import ErrorInfo, NewTask, Outcome, Status, Task, key_of_order_key, order_key_of
-from bridge.store import RunReport, Store
+from bridge.store.tasks import RunReport, Store
 
 # b"ab?" is YWI/ and b"?\xff" is P/8= in base64 (a `/` inside). Two keys: a bug needs a few steps of one key.
 KEYS = [b"ab?", b"?\xff"]

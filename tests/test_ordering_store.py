@@ -12,7 +12,7 @@ import pytest
 from hypothesis import strategies as st
 
 from bridge.model import ErrorInfo, NewTask, Outcome, Status, key_of_order_key, order_key_of
-from bridge.store import Store
+from bridge.store.tasks import Store
 from tests.helpers import T0, failure, report
 
 LEASE = 30.0

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from bridge.config import ConfigError, QueueConfig, parse_config
+from bridge.engine.policy import backoff_delay, bounded_delay, decide
 from bridge.handler_api import Retry
 from bridge.model import Outcome
-from bridge.policy import backoff_delay, bounded_delay, decide
 
 
 def queue(**kw: object) -> QueueConfig:
@@ -60,7 +60,7 @@ def test_durations_cannot_be_infinite_huge_or_negative(bad: str) -> None:
 
 
 def test_a_huge_http_retry_after_is_bounded_too() -> None:
-    from bridge.http_handler import HttpRetryableError, classify_response
+    from bridge.workers.http_handler import HttpRetryableError, classify_response
 
     with pytest.raises(HttpRetryableError) as caught:
         classify_response(503, {"Retry-After": "9" * 40}, "busy", "POST http://app")

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from bridge.admin import AdminCommands
-from bridge.admin_protocol import Command, RedriveArgs, StatsArgs
-from bridge.engine import Engine
+from bridge.admin.loop import AdminCommands
+from bridge.admin.protocol import Command, RedriveArgs, StatsArgs
+from bridge.engine.core import Engine
 from bridge.live_config import LiveConfig
 from bridge.model import ErrorInfo, Status
 from bridge.registry import Registry
-from bridge.store import Store
+from bridge.store.tasks import Store
 from tests.helpers import engine_config, failure
 
 
@@ -157,7 +157,7 @@ async def _noop(update: dict[str, Any]) -> None:
 def test_the_progress_line_shows_each_instance_the_rate_and_an_eta() -> None:
     import io
 
-    from bridge.redrive_cli import Progress, pick_canary, shares_for
+    from bridge.cli.redrive import Progress, pick_canary, shares_for
 
     out = io.StringIO()
     progress = Progress(out, began=time.monotonic() - 10, totals={"a": 3000, "b": 1000})

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bridge.admin_client import AdminSession, Replies
+from bridge.admin.client import AdminSession, Replies
 from bridge.config import BridgeConfig
 from bridge.service import Bridge
 from tests.conftest import KafkaEnv

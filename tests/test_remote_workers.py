@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from bridge.config import parse_config
-from bridge.engine import Engine
+from bridge.engine.core import Engine
 from bridge.live_config import LiveConfig
 from bridge.model import NewTask, Outcome, Status
 from bridge.registry import Registry
-from bridge.store import Store
-from bridge.worker_client import Connection, WorkerClient, WorkerError
-from bridge.workers import WorkerServer
+from bridge.store.tasks import Store
+from bridge.workers.client import Connection, WorkerClient, WorkerError
+from bridge.workers.server import WorkerServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "worker-token"

@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from bridge.config import ConfigError
-from bridge.engine import Engine
-from bridge.first_delivery import FirstDelivery
+from bridge.engine.core import Engine
 from bridge.handler_api import HandlerContext, Permanent, Retry
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status, Task
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.store import Store
+from bridge.source.first_delivery import FirstDelivery
+from bridge.store.tasks import Store
 from tests.helpers import engine_config, eventually, failure
 
 
@@ -538,7 +538,7 @@ PROBING = {"breaker": {"window": "5s", "min_attempts": 5, "open_for": "100ms", "
 async def _trip(h: Harness, queue: str = "q") -> Any:
     """Trip the queue's breaker through the scheduler's own accounting (as 5 failed attempts would), with its
     clock running as in a bridge (open → half-open after open_for)."""
-    from bridge.breaker import State
+    from bridge.engine.breaker import State
 
     assert h.engine is not None
     breakers = h.engine.scheduler.breakers
@@ -553,7 +553,7 @@ async def test_a_probe_that_loses_its_lease_frees_its_slot_and_the_next_probe_cl
         h: Harness) -> None:
     """A probe abandoned for a lapsed lease ended without a verdict and kept its slot: with probes: 1, the breaker
     stayed half-open and claimed nothing, for ever (the queue's partitions paused until an operator came)."""
-    from bridge.breaker import State
+    from bridge.engine.breaker import State
 
     released = threading.Event()
 
@@ -579,8 +579,8 @@ async def test_a_probe_that_loses_its_lease_frees_its_slot_and_the_next_probe_cl
 async def test_a_probe_failing_during_an_outage_spends_no_attempt(h: Harness) -> None:
     """max_attempts: 2 and a downstream down for many probe rounds: each probe's retryable failure is kept in the
     history with a note, its number given back; nothing dead-letters, and the task succeeds after the outage."""
-    from bridge.breaker import State
-    from bridge.scheduler import PROBE_NOTE
+    from bridge.engine.breaker import State
+    from bridge.engine.scheduler import PROBE_NOTE
 
     down = threading.Event()
     down.set()

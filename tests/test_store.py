@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bridge.model import ErrorInfo, Outcome, Status, error_type_matches
-from bridge.queries import migrations
-from bridge.store import Store, StoreError
+from bridge.store.queries import migrations
+from bridge.store.tasks import Store, StoreError
 from tests.helpers import T0, failure, report
 
 LEASE = 30.0
@@ -436,8 +436,8 @@ async def test_one_unstorable_task_fails_alone_not_its_batch_nor_the_store(store
 async def test_a_revoked_partitions_journal_rows_are_pruned(store: Store, tmp_path: Path) -> None:
     """Rows of partitions now owned by another instance stayed for ever (this instance never commits past them)."""
     from bridge.clock import SystemClock
-    from bridge.consumer import SourceConsumer
     from bridge.live_config import LiveConfig
+    from bridge.source.consumer import SourceConsumer
     from tests.helpers import engine_config
 
     config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "ok", "sources": ["t"]})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bridge.telemetry import MAX_ERROR_TYPES, Metrics
+from bridge.telemetry.core import MAX_ERROR_TYPES, Metrics
 
 
 def test_error_type_labels_are_bounded_per_queue() -> None:
@@ -25,7 +25,7 @@ def test_batched_attempt_metrics_scrape_as_prometheus_counter_and_histogram_woul
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
     from bridge.model import Outcome
-    from bridge.telemetry import _DURATION_BUCKETS, AttemptMetrics
+    from bridge.telemetry.core import _DURATION_BUCKETS, AttemptMetrics
 
     attempts = [(Outcome.SUCCESS, 0.0004), (Outcome.SUCCESS, 0.001), (Outcome.RETRYABLE_FAILURE, 0.3),
                 (Outcome.SUCCESS, 7.0), (Outcome.PERMANENT_FAILURE, 1000.0), (Outcome.SUCCESS, 0.005)]

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from bridge.changelog.codec import Restored, Unreadable, decode, encode
-from bridge.queries import q
-from bridge.store import Store, dict_rows
+from bridge.store.queries import q
+from bridge.store.tasks import Store, dict_rows
 
 Home = tuple[str, int]
 

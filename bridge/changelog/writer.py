@@ -29,8 +29,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from bridge.changelog.local import Entry, Home, LocalIndex
 from bridge.clock import Clock
-from bridge.store import StoreError
-from bridge.telemetry import Telemetry
+from bridge.store.tasks import StoreError
+from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction

@@ -1,0 +1,368 @@
+"""Dead-lettering (SPEC §5.3, §6): the DLQ outbox and the v1 wire envelope.
+
+DEAD is committed in the store first; this publisher then sends each unpublished DEAD task to its queue's DLQ
+topic (idempotent producer, acks=all) and records where it landed. What is not acknowledged stays in the outbox
+and is sent again: after a broker outage, after a restart. A record over the topic's size limit keeps its
+payload and is trimmed (stacks, then middle attempts), saying what was trimmed; it is never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+import orjson
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+
+from bridge.changelog.writer import ChangelogWriter
+from bridge.clock import Clock
+from bridge.config import BridgeConfig
+from bridge.model import Task
+from bridge.records import SOURCE, TRACEPARENT, TRACESTATE, source_headers, source_key
+from bridge.store.tasks import Store, StoreError
+from bridge.telemetry.core import Telemetry
+
+log = logging.getLogger(__name__)
+SCHEMA = "rdq.dead-letter/v1"
+_STACK_KEEP = 1000
+_MESSAGE_KEEP = 1000
+_RECORD_OVERHEAD = 512  # record batch framing, generously
+_DEFAULT_TOPIC_LIMIT = 1_048_588
+_RETRY_FIRST = 5.0  # an outbox entry whose publish failed waits this long, doubling per failure…
+_RETRY_MAX = 300.0  # …up to this; the entries behind it do not wait for it
+_DEFAULT_BATCH = 1_000_000
+
+
+@dataclass(frozen=True)
+class DlqRecord:
+    key: bytes | None
+    value: bytes
+    headers: list[tuple[str, bytes | None]]
+    trimmed: dict[str, Any] | None
+
+    @property
+    def size(self) -> int:
+        headers = sum(len(k) + len(v or b"") for k, v in self.headers)
+        return len(self.value) + len(self.key or b"") + headers + _RECORD_OVERHEAD
+
+
+def envelope(task: Task) -> dict[str, Any]:
+    reason = task.dead_reason
+    return {
+        "schema": SCHEMA,
+        "task": task.to_json(),
+        "reason": {"type": reason.type, "message": reason.message} if reason else None,
+        "attempts": [a.to_json() for a in task.attempts],
+    }
+
+
+def dlq_headers(task: Task, traceparent: str | None = None) -> list[tuple[str, bytes | None]]:
+    ours: list[tuple[str, bytes | None]] = [
+        ("rdq.task_id", task.id.encode()),
+        ("rdq.queue", task.queue.encode()),
+        ("rdq.source", task.headers.get(SOURCE, "").encode()),
+        ("rdq.error.type", (task.dead_reason.type if task.dead_reason else "").encode()),
+        ("rdq.attempts", str(len(task.attempts)).encode()),
+    ]
+    traceparent = traceparent or task.headers.get(TRACEPARENT)
+    if traceparent:
+        ours.append((TRACEPARENT, traceparent.encode()))
+    if TRACESTATE in task.headers:
+        ours.append((TRACESTATE, task.headers[TRACESTATE].encode()))
+    # The source record's own headers, as they came (ours win where names clash).
+    taken = {name for name, _ in ours}
+    return ours + [(k, v) for k, v in source_headers(task.headers) if k not in taken and not k.startswith("rdq.")]
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    # The bytes of json.dumps(body, separators=(",", ":"), ensure_ascii=False) in UTF-8, ~5x faster (checked
+    # equal over random Unicode in tests/test_dlq_trim.py).
+    return orjson.dumps(body)
+
+
+def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqRecord:
+    """The §6 v1 record for a DEAD task, trimmed to fit `limit` bytes if it must be."""
+    body = envelope(task)
+    key, headers = source_key(task.headers), dlq_headers(task, traceparent)
+    record = DlqRecord(key, _encode(body), headers, None)
+    if record.size <= limit:
+        return record
+    body = copy.deepcopy(body)
+    trimmed: dict[str, Any] = {"original_bytes": record.size}
+    body["trimmed"] = trimmed
+
+    def over() -> int:
+        """Bytes past the limit as the body stands now (<= 0: it fits)."""
+        return DlqRecord(key, _encode(body), headers, trimmed).size - limit
+
+    for step in (_truncate_stacks, _drop_stacks, _drop_middle_attempts, _truncate_messages):
+        step(body, trimmed, over)
+        if over() <= 0:
+            break
+    return DlqRecord(key, _encode(body), headers, trimmed)
+
+
+def _surely_fits(task: Task, limit: int) -> bool:
+    """A cheap upper bound on the record's size (base64 payload, stacks and messages, escaping) under `limit`."""
+    text = sum(len(a.error.stack or "") + len(a.error.message) for a in task.attempts if a.error)
+    bound = 2 * len(task.payload) + 6 * text + 1000 * (len(task.attempts) + len(task.headers)) + 8000
+    return bound < limit
+
+
+def _errors(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [a["error"] for a in body["attempts"] if a.get("error")]
+
+
+def _truncate_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
+    for error in _errors(body):
+        if error.get("stack") and len(error["stack"]) > _STACK_KEEP:
+            error["stack"] = "…" + error["stack"][-_STACK_KEEP:]
+    trimmed["stacks"] = f"truncated to their last {_STACK_KEEP} characters"
+
+
+def _drop_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
+    for error in _errors(body):
+        error["stack"] = None
+    trimmed["stacks"] = "removed"
+
+
+def _drop_middle_attempts(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
+    """Keep the first and the last attempts; remove from the middle, one at a time, until the record fits.
+
+    The excess is tracked by arithmetic (each removed attempt's encoded length), not by re-encoding the whole
+    envelope per removed attempt: with a long history that was quadratic, on the event loop."""
+    attempts = body["attempts"]
+    removed: list[dict[str, int]] = []
+    trimmed["attempts_removed"] = removed
+    excess = over()
+    while len(attempts) > 2 and excess > 0:
+        gone = attempts.pop(len(attempts) // 2)
+        entry = {"redrive_no": gone["redrive_no"], "attempt_no": gone["attempt_no"]}
+        # The attempt and its comma leave; the entry (and a comma after the first) arrives.
+        excess += -len(_encode(gone)) - 1 + len(_encode(entry)) + (1 if removed else 0)
+        removed.append(entry)
+    removed.sort(key=lambda r: (r["redrive_no"], r["attempt_no"]))
+
+
+def _truncate_messages(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
+    """Error messages of the attempts and of the dead reason (in `reason` and in `task.dead_reason`)."""
+    reasons = [r for r in (body.get("reason"), body["task"].get("dead_reason")) if r]
+    for error in [*_errors(body), *reasons]:
+        if len(error.get("message") or "") > _MESSAGE_KEEP:
+            error["message"] = error["message"][:_MESSAGE_KEEP] + "…"
+    trimmed["messages"] = f"truncated to {_MESSAGE_KEEP} characters"
+
+
+class DlqPublisher:
+    """Publishes the outbox; runs until `stop`, then waits a little for what is in flight."""
+
+    def __init__(self, store: Store, config: BridgeConfig, producer_factory: Callable[[int], Producer],
+                 admin_factory: Callable[[], AdminClient], clock: Clock, wake: asyncio.Event,
+                 batch: int = 500, telemetry: Telemetry | None = None,
+                 changelog: ChangelogWriter | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.clock = clock
+        self.wake = wake
+        self.batch = batch
+        self.telemetry = telemetry or Telemetry()
+        self._producer_factory = producer_factory
+        self._admin_factory = admin_factory
+        self._producer: Producer | None = None
+        # With the changelog (SPEC §10): each record goes out in the changelog's transaction, with its task's
+        # "published" mark: exactly once, even if the bridge dies right after.
+        self.changelog = changelog
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, Task] = {}
+        self._stuck_queues: set[str] = set()
+        self._stopping = False
+        self._limits: dict[str, int] = {}
+        self._marking: set[asyncio.Task[None]] = set()
+        self._polling = threading.Event()
+        self.published = 0
+
+    def topic_for(self, task: Task) -> str:
+        queue = self.config.queues.get(task.queue)
+        return (queue.dlq_topic if queue and queue.dlq_topic else None) or f"{task.queue}.dlq"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
+        limits = [await self._limit(self.config.dlq_topic(q)) for q in self.config.queues]
+        if self.changelog is None:
+            self._producer = self._producer_factory(min([_DEFAULT_BATCH, *limits]))
+            self._polling.set()
+        poller = threading.Thread(target=self._poll, name="rdq-dlq-poll", daemon=True)
+        poller.start()
+        try:
+            while not stop.is_set():
+                self.wake.clear()
+                sent = 0
+                with contextlib.suppress(StoreError):
+                    sent = await self.publish_due()
+                if sent >= self.batch:
+                    await asyncio.sleep(0)  # a full batch: more may wait in the outbox, go on at once
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first(self.wake, stop), 1.0)
+        finally:
+            await self._finish(poller)
+
+    async def publish_due(self) -> int:
+        """Send every unpublished DEAD task due for a try and not already on its way. Returns how many were sent.
+
+        One entry that cannot be built or sent is given its own retry time and error (kept in the store) and the
+        others go on: nothing about one task blocks the outbox, or stops the bridge."""
+        sent = 0
+        for task in await self.store.dlq_outbox(self.batch, self.clock.now_ms(), skip=self._pending):
+            if task.id in self._pending:
+                continue  # a guard: the read skipped the pending ones
+            topic = self.topic_for(task)
+            try:
+                limit = await self._limit(topic)
+                await self._produce(task, topic, limit)
+            except BufferError:
+                break  # the producer queue is full: the rest go next round
+            except Exception as e:  # KafkaException, or an envelope that cannot be built (bad data in the task)
+                self._pending[task.id] = task
+                self._failed(task, f"{type(e).__name__}: {e}")
+                continue
+            self._pending[task.id] = task
+            sent += 1
+        await self._report_stuck()
+        return sent
+
+    async def _produce(self, task: Task, topic: str, limit: int) -> None:
+        with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
+            # Traced: the record carries the publish span's context (same trace); untraced: the source's.
+            traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
+            if _surely_fits(task, limit):
+                record = build_record(task, limit, traceparent)
+            else:  # trimming a long history re-encodes a large envelope: not on the event loop
+                record = await asyncio.to_thread(build_record, task, limit, traceparent)
+            if record.trimmed:
+                log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
+                            extra={"task_id": task.id, "queue": task.queue})
+            if self.changelog is not None:
+                if record.size > limit:
+                    # Refused here, not by the broker: a refused record would abort the whole transaction (and
+                    # stall it until the producer's message timeout).
+                    raise ValueError(f"MSG_SIZE_TOO_LARGE: {record.size} bytes even trimmed, over the {limit} "
+                                     f"bytes {topic} takes (the payload is never trimmed)")
+                self.changelog.produce_dlq(task.id, task.home, topic, record.key, record.value, record.headers,
+                                           partial(self._on_delivery, task))
+                return
+            assert self._producer is not None
+            self._producer.produce(topic, value=record.value, key=record.key, headers=cast(Any, record.headers),
+                                   on_delivery=partial(self._on_delivery, task))
+
+    async def _report_stuck(self) -> None:
+        stuck = await self.store.dlq_stuck()
+        gauge = self.telemetry.metrics.dlq_stuck
+        for queue in set(self._stuck_queues) | set(stuck):
+            gauge.labels(queue).set(stuck.get(queue, {}).get("entries", 0))
+        self._stuck_queues = set(stuck)
+
+    async def _limit(self, topic: str) -> int:
+        if topic not in self._limits:
+            topic_limit = await asyncio.to_thread(self._topic_limit, topic)
+            producer_limit = int(self.config.kafka.dlq_max_message_bytes)
+            self._limits[topic] = min(topic_limit, producer_limit)
+        return self._limits[topic]
+
+    def _topic_limit(self, topic: str) -> int:
+        try:
+            admin = self._admin_factory()
+            resource = ConfigResource("topic", topic)
+            configs = admin.describe_configs([resource])[resource].result(10)
+            return int(configs["max.message.bytes"].value)
+        except Exception as e:  # the limit is an optimisation; the broker still refuses what is too big
+            log.warning("cannot read max.message.bytes of %s (assuming %d): %s", topic, _DEFAULT_TOPIC_LIMIT, e)
+            return _DEFAULT_TOPIC_LIMIT
+
+    def _poll(self) -> None:
+        while self._polling.is_set():
+            assert self._producer is not None
+            self._producer.poll(0.1)
+
+    def _on_delivery(self, task: Task, err: Any, msg: Any) -> None:
+        assert self._loop is not None
+        if err is not None:
+            self._loop.call_soon_threadsafe(self._failed, task, str(err))
+        else:
+            self._loop.call_soon_threadsafe(self._delivered, task, msg.topic(), msg.partition(), msg.offset())
+
+    def _failed(self, task: Task, why: str) -> None:
+        """This entry waits for its own retry time (kept in the store, so a restart does not put it first)."""
+        delay = min(_RETRY_FIRST * 2 ** min(task.dlq_failures, 16), _RETRY_MAX)
+        log.error("DLQ publish failed (try %d; kept in the outbox, retried in %gs): %s", task.dlq_failures + 1,
+                  delay, why, extra={"task_id": task.id, "queue": task.queue})
+        recording = asyncio.ensure_future(self._record_failure(task, why, self.clock.now_ms() + int(delay * 1000)))
+        self._marking.add(recording)
+        recording.add_done_callback(self._marking.discard)
+
+    async def _record_failure(self, task: Task, why: str, next_at: int) -> None:
+        try:
+            await self.store.dlq_publish_failed(task.id, why, next_at)
+        except StoreError as e:
+            log.error("could not record a DLQ publish failure (the entry is retried at once): %s", e,
+                      extra={"task_id": task.id})
+        finally:
+            self._pending.pop(task.id, None)  # only now: until recorded, the next round must not take it again
+
+    def _delivered(self, task: Task, topic: str, partition: int, offset: int) -> None:
+        marking = asyncio.ensure_future(self._mark(task, topic, partition, offset))
+        self._marking.add(marking)
+        marking.add_done_callback(self._marking.discard)
+
+    async def _mark(self, task: Task, topic: str, partition: int, offset: int) -> None:
+        """Record where the broker put it. While the store cannot be written (full disk) the mark is retried and
+        the entry stays pending here: sending it again would put a duplicate in the DLQ. Only a stop (or a crash)
+        before the mark is written leaves it to be republished: a duplicate, never a loss."""
+        delay = 0.1
+        try:
+            while True:
+                try:
+                    await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms(),
+                                                        logged=self.changelog is not None)
+                    break
+                except StoreError as e:
+                    if self._stopping:
+                        log.error("could not record the DLQ publish (republished after the restart): %s", e,
+                                  extra={"task_id": task.id})
+                        return
+                    log.warning("could not record the DLQ publish yet (retrying): %s", e, extra={"task_id": task.id})
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            self.published += 1
+            self.telemetry.metrics.dlq_published.labels(task.queue).inc()
+            log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
+                     extra={"task_id": task.id, "queue": task.queue})
+        finally:
+            self._pending.pop(task.id, None)
+
+    async def _finish(self, poller: threading.Thread) -> None:
+        self._stopping = True
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.flush, 5.0)
+        self._polling.clear()
+        await asyncio.to_thread(poller.join, 5.0)
+        if self._marking:
+            await asyncio.wait(list(self._marking), timeout=5.0)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -1,0 +1,427 @@
+"""Lanes: one per assigned source partition, running the first deliveries of its fetched records.
+
+A task, a thread hop and a watchdog per record cost more than a fast handler does. A lane instead hands its
+ready records to *runners*. A runner is one hop onto the queue's handler threads (sync handlers) or one task on
+the loop (async handlers, remote queues) that takes records one after another off the lane's ready deque, in
+offset order, until none is left.
+
+- Concurrency within the partition (`partition_concurrency`) comes from more runners, started only when the
+  handler waits. Sync: records that took >= `_SLOW` several in a row, mostly not computing, start as many
+  runners as there are records, up to the limit. Async: a second runner waits its turn and runs only if the
+  first one's handler suspends. A fast handler is run by one runner, as a bare consumer loop runs it: more
+  threads would only fight for the GIL.
+- One watchdog for all lanes (the consumer calls `watch`): a record silent for a whole lease, or running past
+  `queue_timeout`, is abandoned — its failure reported, its runner let go (a sync one's thread is counted stuck
+  until it returns), a new runner takes the records after it.
+- Results reach the loop in batches (`on_results`), so the failures of a batch are stored in one group commit.
+- `ordering: key` (SPEC §12): at most one record of a key runs at a time, in offset order; the others of that key
+  wait aside (`_waiting`) and come back to the front when it ends. A key whose record became a task is *blocked*:
+  its later records are parked (stored behind the task, not run). A key is unblocked only when the store says it
+  has no open task left, no task of it is on its way into the store, and none was reported since the store was
+  asked (`refresh_keys`) — a key that looked free too early would run a record ahead of its task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from bridge.records import SourceRecord
+from bridge.source.first_delivery import Begun, FirstDelivery, Ran
+from bridge.threads import HandlerThreads
+
+TP = tuple[str, int]
+# A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
+# waits on I/O). One slow record is not enough: a runner that waited for the GIL sees a fast record take 5 ms,
+# and more threads for a fast handler only make them fight for it.
+_SLOW = 0.001
+_SLOW_STREAK = 3
+# The watchdog adds a runner when every runner is on a record this old (the first records of a lane may hang).
+_STALLED = 0.1
+# No runner is added while the process computes at least this much of a core: its threads already hold the GIL
+# all the time, so handlers that looked slow were waiting for it, and more threads would only lengthen the wait.
+_BUSY = 0.8
+
+
+class CpuLoad:
+    """The process's CPU use, sampled by the consumer's watchdog (every quarter second at most)."""
+
+    def __init__(self) -> None:
+        self._since = (time.monotonic(), time.process_time())
+        self.busy = False
+
+    def sample(self, now: float) -> None:
+        began, cpu_then = self._since
+        if now - began >= 0.25:
+            cpu = time.process_time()
+            self.busy = (cpu - cpu_then) / (now - began) >= _BUSY
+            self._since = (now, cpu)
+
+
+class Runner:
+    """One runner: the record it is running now (for the watchdog), and how to let it go."""
+
+    __slots__ = ("abandoned", "call", "current", "park", "task")
+
+    def __init__(self) -> None:
+        self.current: Begun | None = None
+        self.park = False  # the record just taken is parked, not run (its key is blocked)
+        self.abandoned = False
+        self.call: Future[None] | None = None  # a sync runner's call on the handler threads
+        self.task: asyncio.Task[None] | None = None  # an async runner
+
+
+class Lane:
+    def __init__(self, tp: TP, queue_name: str, delivery: FirstDelivery, threads: HandlerThreads | None,
+                 limit: int, on_results: Callable[[Lane, list[Ran]], None],
+                 is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None,
+                 load: CpuLoad | None = None) -> None:
+        self.tp = tp
+        self.queue_name = queue_name
+        self.delivery = delivery
+        self.limit = max(1, limit)
+        self.ready: deque[SourceRecord] = deque()
+        self.ready_bytes = 0  # payload bytes of `ready` and set aside (the consumer pauses past its share)
+        self.set_aside = 0  # ordering: key — records of a running key waiting aside (in `_waiting`)
+        # Set by the consumer (store unwritable, restoring, queue paused or at max_open_tasks): runners take no
+        # more records; those running finish.
+        self.held = False
+        self.released = False  # let go (revoked, stopping): held for good
+        self._threads = threads
+        self._on_results = on_results
+        self._is_suspect = is_suspect
+        # Called by the runner as soon as a record failed (before its task is stored): the consumer counts the
+        # open task at once and may hold the lane (max_open_tasks) before the runner takes the next record.
+        self._on_failure = on_failure
+        self._load = load or CpuLoad()
+        self._loop = asyncio.get_running_loop()
+        self._on_loop = delivery.runs_on_loop(queue_name) or threads is None
+        self._call_soon = self._loop.call_soon if self._on_loop else self._loop.call_soon_threadsafe
+        # Shared with the runner threads: the runners, how many are starting, the results not yet taken.
+        self._lock = threading.Lock()
+        self._runners: set[Runner] = set()
+        self._starting = 0
+        self._results: list[Ran] = []
+        self._wake_pending = False
+        # ordering: key. Keys are the record key bytes (a lane is one partition). All under `_lock`.
+        queue = delivery.config.queue(queue_name)
+        self.ordered = queue is not None and queue.ordering == "key" and not queue.remote
+        self._running_keys: set[bytes] = set()
+        self._waiting: dict[bytes, deque[SourceRecord]] = {}
+        # blocked key → [generation (+1 at each task reported for it), tasks reported but not yet stored]
+        self._blocked: dict[bytes, list[int]] = {}
+        self.keys_loaded = not self.ordered  # the consumer loads the partition's open keys before its first records
+
+    # ---- on the loop ---------------------------------------------------------------------------------------
+
+    def add(self, records: list[SourceRecord]) -> None:
+        with self._lock:
+            self.ready.extend(records)
+            self.ready_bytes += sum(len(r.value) for r in records)
+        self.dispatch()
+
+    def put_back(self, records: list[SourceRecord]) -> None:
+        """Records to run again (their failure could not be stored), ahead of the others."""
+        with self._lock:
+            self.ready.extendleft(reversed(records))
+            self.ready_bytes += sum(len(r.value) for r in records)
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Start a runner if records wait and none is running (running ones take what is added)."""
+        with self._lock:
+            if self.held or not self.ready or self._runners or self._starting:
+                return
+            self._starting += 1
+        self._start_runners(1)
+
+    @property
+    def busy(self) -> bool:
+        """Runners running or results not yet handed over."""
+        return bool(self._runners or self._starting or self._results)
+
+    @property
+    def backlog(self) -> int:
+        """Fetched records not yet started: ready, and set aside behind their running key (a hot key's records
+        count too, or 200k of them would grow memory without the partition ever pausing)."""
+        return len(self.ready) + self.set_aside
+
+    def running(self) -> int:
+        return sum(1 for r in self._runners if r.current is not None)
+
+    def let_go(self) -> None:
+        """Revoked or stopping: nothing more starts; runners still running are left to finish (or hang)."""
+        self.held = self.released = True
+        with self._lock:
+            self.ready.clear()
+            self._waiting.clear()
+            self.ready_bytes = self.set_aside = 0
+            for runner in self._runners:
+                runner.abandoned = True  # it reports what it is running, then takes nothing more
+
+    def watch(self, now: float) -> None:
+        """The watchdog's round: abandon overdue records; add a runner when all are busy with slow records."""
+        with self._lock:
+            overdue = []
+            for runner in self._runners:
+                begun = runner.current
+                if begun is not None and not runner.abandoned:
+                    why = self.delivery.overdue(begun, now)
+                    if why is not None:
+                        runner.abandoned = True
+                        overdue.append((runner, begun, why))
+            for runner, _, _ in overdue:
+                self._runners.discard(runner)
+            spawn = 0
+            if self._stalled(now):
+                spawn = self._starting = 1
+        for runner, begun, why in overdue:
+            if runner.call is not None and self._threads is not None:
+                self._threads.pool(self.queue_name).abandon(runner.call)  # counted stuck until it returns
+            if runner.task is not None:
+                runner.task.cancel()
+            self._report(self.delivery.abandoned(begun, why))
+        if spawn:
+            self._start_runners(spawn)
+
+    def _stalled(self, now: float) -> bool:
+        """Records wait and every runner is on an old one (or none is left): one more runner, if allowed."""
+        if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
+            return False
+        if not self._runners:
+            return True
+        return not self._load.busy and all(r.current is not None and now - r.current.began >= _STALLED
+                                           for r in self._runners)
+
+    def _start_runners(self, n: int) -> None:
+        """Start `n` runners (already counted in `_starting`)."""
+        for _ in range(n):
+            runner = Runner()
+            with self._lock:
+                self._runners.add(runner)
+            if self._on_loop:
+                runner.task = self._loop.create_task(self._drain_async(runner), name=f"rdq-lane-{self.tp}")
+            else:
+                assert self._threads is not None
+                runner.call = self._threads.pool(self.queue_name).submit(functools.partial(self._drain_sync, runner))
+
+    def _take_results(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+            results, self._results = self._results, []
+        if results:
+            self._on_results(self, results)
+
+    # ---- in the runners -------------------------------------------------------------------------------------
+
+    def _next(self, runner: Runner) -> SourceRecord | None:
+        with self._lock:
+            if runner.abandoned or self.held or not self.ready:
+                self._runners.discard(runner)
+                return None
+            if self.ordered:
+                return self._next_in_order(runner)
+            record = self.ready.popleft()
+            self.ready_bytes -= len(record.value)
+            return record
+
+    def _next_in_order(self, runner: Runner) -> SourceRecord | None:
+        """(Under the lock.) The first ready record whose key is not running; those of running keys wait aside, in
+        order. A record of a blocked key is taken to be parked (`runner.park`)."""
+        while self.ready:
+            record = self.ready.popleft()
+            key = record.key
+            if key is not None and (key in self._running_keys or self._storing(key)):
+                self._waiting.setdefault(key, deque()).append(record)
+                self.set_aside += 1
+                continue
+            self.ready_bytes -= len(record.value)
+            if key is not None:
+                self._running_keys.add(key)  # parks of a key are serialized too: the store decides in order
+            runner.park = key is not None and key in self._blocked
+            return record
+        self._runners.discard(runner)
+        return None
+
+    # ---- ordering: key ------------------------------------------------------------------------------------
+
+    def load_keys(self, keys: set[bytes]) -> None:
+        """The keys of this partition that have an open task in the store (at assignment): blocked from the
+        start."""
+        with self._lock:
+            for key in keys:
+                self._blocked.setdefault(key, [0, 0])
+            self.keys_loaded = True
+
+    def block(self, key: bytes) -> None:
+        """A task of this key is about to become due outside the lane (a redrive): its later records park behind
+        it. A new generation, so a refresh that asked the store before the task was due cannot unblock it."""
+        with self._lock:
+            self._blocked.setdefault(key, [0, 0])[0] += 1
+
+    def blocked_keys(self) -> dict[bytes, int]:
+        """The blocked keys with nothing on its way into the store, and their generation (for `unblock`)."""
+        with self._lock:
+            return {key: gen for key, (gen, pending) in self._blocked.items() if pending == 0}
+
+    def unblock(self, free: dict[bytes, int]) -> None:
+        """Keys the store found with no open task, as of `blocked_keys()` before the store was asked: unblocked if
+        no task of theirs was reported since."""
+        with self._lock:
+            for key, gen in free.items():
+                entry = self._blocked.get(key)
+                if entry is not None and entry[0] == gen and entry[1] == 0:
+                    del self._blocked[key]
+
+    def _storing(self, key: bytes) -> bool:
+        """(Under the lock.) A task of this key is on its way into the store: the key's next record waits for it,
+        so the store decides each record of a key in offset order. (Parked behind a head whose insert failed and
+        is retried, a later record was stored PENDING and ran beside it; or it was stored first, and the retried
+        earlier one then looked like a redelivery and was dropped.)"""
+        entry = self._blocked.get(key)
+        return entry is not None and entry[1] > 0
+
+    def stored(self, keys: list[bytes | None]) -> None:
+        """Tasks reported for these keys are in the store now (or were put back to run again)."""
+        back = False
+        with self._lock:
+            for key in keys:
+                entry = self._blocked.get(key) if key is not None else None
+                if key is None or entry is None or entry[1] == 0:
+                    continue
+                entry[1] -= 1
+                if entry[1] == 0 and key not in self._running_keys:
+                    back = self._next_of(key) or back
+        if back:
+            self.dispatch()
+
+    def _next_of(self, key: bytes) -> bool:
+        """(Under the lock.) The key's next waiting record back to the front; False when none waits."""
+        waiting = self._waiting.get(key)
+        if not waiting:
+            return False
+        self.ready.appendleft(waiting.popleft())
+        self.set_aside -= 1
+        if not waiting:
+            del self._waiting[key]
+        return True
+
+    def _key_ended(self, ran: Ran) -> bool:
+        """(Under the lock.) A record of an ordered lane ended: its key is free to run its next record, blocked if
+        the record became a task. True when a waiting record came back to the front."""
+        key = ran.record.key
+        if key is None:
+            return False
+        self._running_keys.discard(key)
+        if ran.task is not None:
+            entry = self._blocked.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
+            return False  # its next record waits until this task is stored (`stored`)
+        return self._next_of(key)
+
+    def _park(self, record: SourceRecord) -> Ran:
+        queue = self.delivery.config.queue(self.queue_name)
+        assert queue is not None
+        return Ran(record, self.queue_name, self.delivery.parked(record, self.queue_name, queue))
+
+    def _report(self, ran: Ran, slow: bool = False) -> None:
+        """A record's end, from a runner (or the watchdog): handed to the loop in batches."""
+        if ran.task is not None and self._on_failure is not None:
+            self._on_failure(self, ran)
+        with self._lock:
+            self._results.append(ran)
+            back = self.ordered and self._key_ended(ran)
+            wake = not self._wake_pending
+            self._wake_pending = True
+            spawn = 0
+            if slow and self.ready and not self.held and not self._starting and not self._load.busy:
+                spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
+                self._starting += spawn
+        if wake:
+            self._call_soon(self._take_results)
+        if spawn:
+            self._call_soon(self._start_runners, spawn)
+        elif back:
+            self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
+
+    def _drain_sync(self, runner: Runner) -> None:
+        """A sync runner, on a handler thread: the ready records one after another."""
+        with self._lock:
+            self._starting -= 1
+        streak = 0
+        try:
+            while (record := self._next(runner)) is not None:
+                if runner.park:
+                    self._report(self._park(record))
+                    continue
+                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                if not isinstance(prepared, Begun):
+                    self._report(Ran(record, self.queue_name, prepared))
+                    continue
+                runner.current = prepared
+                cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
+                ran = self.delivery.run_sync(prepared)
+                with self._lock:
+                    if runner.abandoned and runner not in self._runners:
+                        return  # the watchdog reported this record; this thread was counted stuck
+                    runner.current = None
+                streak = self._slow_streak(streak, time.monotonic() - prepared.began, cpu)
+                self._report(ran, streak >= _SLOW_STREAK)
+        finally:
+            with self._lock:
+                self._runners.discard(runner)
+
+    @staticmethod
+    def _slow_streak(streak: int, wall: float, cpu_before: float) -> int:
+        """Records in a row that took >= _SLOW mostly waiting (I/O: more runners help). The first is judged by
+        its wall time alone; the next ones also by this thread's CPU time: a record that computed for 1 ms (CPU:
+        more runners would only fight for the GIL) breaks the streak."""
+        if wall < _SLOW:
+            return 0
+        if streak and time.thread_time() - cpu_before >= wall / 2:
+            return 0
+        return streak + 1
+
+    async def _drain_async(self, runner: Runner) -> None:
+        """An async runner, on the loop. A second runner is started (once) to take the next record should this
+        one's handler suspend: concurrency without a task per record."""
+        with self._lock:
+            self._starting -= 1
+        try:
+            while (record := self._next(runner)) is not None:
+                self._maybe_second_runner()
+                if runner.park:
+                    self._report(self._park(record))
+                    continue
+                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                if not isinstance(prepared, Begun):
+                    self._report(Ran(record, self.queue_name, prepared))
+                    continue
+                runner.current = prepared
+                try:
+                    if self.delivery.is_async(prepared.handler):
+                        ran = await self.delivery.run_async(prepared)
+                    else:  # no handler threads here (tests): the loop's default executor
+                        ran = await self._loop.run_in_executor(None, self.delivery.run_sync, prepared)
+                except asyncio.CancelledError:
+                    if runner.abandoned:
+                        return  # the watchdog reported this record
+                    raise
+                runner.current = None
+                self._report(ran)
+        finally:
+            with self._lock:
+                self._runners.discard(runner)
+
+    def _maybe_second_runner(self) -> None:
+        with self._lock:
+            if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
+                return
+            self._starting += 1
+        self._start_runners(1)
