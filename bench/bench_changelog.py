@@ -112,8 +112,8 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5) -> None:
         report = await restorer.restore((topic, 0))
         await local.set_home((topic, 0), "active")
         elapsed = time.perf_counter() - began
-        tasks = await store._read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
-        rows = await store._read(lambda c: c.execute("SELECT COUNT(*) FROM attempts").fetchone()[0])
+        tasks = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+        rows = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM attempts").fetchone()[0])
         await store.close()
     assert tasks == n and rows == n * attempts and report.tasks == n, (tasks, rows, report)
     record("changelog restore: one partition's tasks from its changelog into a fresh store", [

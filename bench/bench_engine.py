@@ -25,7 +25,8 @@ from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.registry import Registry
 from bridge.store.queries import q
-from bridge.store.tasks import RunReport, Store
+from bridge.store.results import RunReport
+from bridge.store.tasks import Store
 
 PAYLOAD = b'{"order": 12345, "items": [1, 2, 3], "note": "' + b"x" * 900 + b'"}'  # ~1 KB
 _OFFSETS = itertools.count()
@@ -202,7 +203,7 @@ async def bench_scale(sizes: list[int], claims: int) -> None:
                 latencies.append((time.perf_counter() - began) * 1000)
                 assert len(got) == 10
             params = {"queue": "q", "now": now, "limit": 10, "lease_ms": 1, "owner": "x"}
-            plan = await store._read(lambda c, p=params: " / ".join(
+            plan = await store.db.read(lambda c, p=params: " / ".join(
                 r[3] for r in c.execute("EXPLAIN QUERY PLAN " + q("claim_due"), p)))
             p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
             lines.append(f"{size:>9} tasks: p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  RSS {rss_mib():6.1f} MiB  "

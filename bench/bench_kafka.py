@@ -36,7 +36,8 @@ from bench.bench_engine import new_failures, plain_inserts
 from bench.common import percentile, record, rss_mib
 from bridge.clock import SystemClock
 from bridge.config import BridgeConfig, TelemetryConfig, parse_config
-from bridge.dlq.publisher import DlqPublisher, build_record
+from bridge.dlq.envelope import build_record
+from bridge.dlq.publisher import DlqPublisher
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics, make_admin, make_dlq_producer
 from bridge.live_config import LiveConfig
@@ -471,7 +472,7 @@ async def dead_tasks(store: Store, n: int) -> None:
                 for t in tasks for k in range(2, 6)]
         conn.executemany(q("insert_attempt"), rows)
 
-    await store._submit(more_attempts)
+    await store.db.write(more_attempts)
 
 
 def timed(spent: dict[str, float], name: str, fn: Any) -> Any:
@@ -589,7 +590,7 @@ async def e2e_run(bootstrap: str, tmp: Path, n: int, changelog: bool = True,
         # its tasks over and drops them from its file. (Scanning the table every poll loaded the bridge.)
         if bridge.telemetry.metrics.attempts.total("q", Outcome.SUCCESS) < n:
             return False
-        latencies[:] = await bridge.store._scan(lambda c: [r[0] for r in c.execute(
+        latencies[:] = await bridge.store.db.scan(lambda c: [r[0] for r in c.execute(
             "SELECT finished_at - created_at FROM tasks WHERE status = 'SUCCEEDED'")])
         return len(latencies) >= n
 

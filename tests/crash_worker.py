@@ -12,7 +12,8 @@ import sys
 
 from bridge.clock import SystemClock
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
-from bridge.store.tasks import RunReport, Store
+from bridge.store.results import RunReport
+from bridge.store.tasks import Store
 
 
 def ack(line: str) -> None:
@@ -66,7 +67,7 @@ async def main(path: str, seed: int) -> None:
     store = await Store.open(path)
     clock = SystemClock()
     rng = random.Random(seed)
-    synchronous = await store._in_thread(lambda: store._conn.execute("PRAGMA synchronous").fetchone()[0])
+    synchronous = await store.db.in_thread(lambda: store.db.conn.execute("PRAGMA synchronous").fetchone()[0])
     ack(f"READY synchronous={synchronous}")  # 2 = FULL, the production default
     await asyncio.gather(*(submitter(store, clock, random.Random(rng.random())) for _ in range(8)),
                          *(worker(store, clock, random.Random(rng.random()), f"w{i}") for i in range(3)),

@@ -10,7 +10,7 @@ from typing import Any
 
 from bridge.config import BridgeConfig, parse_config
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
-from bridge.store.tasks import RunReport
+from bridge.store.results import RunReport
 
 T0 = 1_800_000_000_000  # a fixed "now" in ms
 _OFFSETS = itertools.count()

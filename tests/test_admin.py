@@ -225,7 +225,7 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
     reason (it answered `ok: true, count: 0`, which a script reads as success). With the changelog (SPEC §10) the
     owner is the only one that may (a task lives with its partition), and a record whose partition is gone goes
     home to the partition its key chooses; without it, naming an instance overrides."""
-    from bridge.dlq.publisher import build_record
+    from bridge.dlq.envelope import build_record
     from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task, new_task_id
 
     registry, switch = switch_registry()

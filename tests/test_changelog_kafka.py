@@ -319,7 +319,7 @@ async def test_an_unreadable_changelog_record_is_kept_counted_and_skipped(kafka:
     producer.flush(10)
     async with running_bridge(config) as bridge:
         await wait_until(lambda: bridge.consumer.owns(f"in-{unique}", 0), within=60, what="restored")
-        rows = await bridge.store._read(lambda c: c.execute(
+        rows = await bridge.store.db.read(lambda c: c.execute(
             "SELECT offset, key, error FROM changelog_unreadable ORDER BY offset").fetchall())
         assert [(r[0], r[1]) for r in rows] == [(0, b"T-corrupt"), (1, b"T-newer")]
         assert "rdq.task/v9" in rows[1][2]
@@ -511,7 +511,7 @@ async def test_an_assignments_partitions_restore_at_once_and_an_open_transaction
             await wait_until(lambda: second.consumer.owns(topic, 1) and second.consumer.owns(topic, 2), within=60,
                              what="partitions 1 and 2 restored while 0 waits")
             assert not second.consumer.owns(topic, 0)
-            ready = await second.store._read(lambda c: c.execute(
+            ready = await second.store.db.read(lambda c: c.execute(
                 "SELECT COUNT(*) FROM tasks WHERE home_partition IN (1, 2) AND status = 'PENDING'").fetchone()[0])
             assert ready == 6
             holder.abort_transaction(30)  # the open transaction ends: partition 0's changelog is read to its end

@@ -71,7 +71,7 @@ async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path
         [claimed] = await store.claim_due("q", 10, 30, "w", T0)
         await store.record_retry(task.id, claimed.lease_token, report(Outcome.RETRYABLE_FAILURE), T0 + 5)
         [entry] = await local.outbox(10)
-        one = await store._read(lambda c: LocalIndex._entry(c, c.execute(q("get_task"), {"id": task.id}).fetchone()))
+        one = await store.db.read(lambda c: LocalIndex._entry(c, c.execute(q("get_task"), {"id": task.id}).fetchone()))
         assert entry == one
         assert len(json.loads(entry.value or b"")["attempts"]) == 2
     finally:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import bridge.dlq.publisher
-from bridge.dlq.publisher import build_record
+import bridge.dlq.envelope
+from bridge.dlq.envelope import build_record
 from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task
 
 
@@ -23,9 +23,9 @@ def test_a_long_history_is_trimmed_with_a_bounded_number_of_encodings(monkeypatc
     """Dropping middle attempts used to re-encode the whole envelope once per dropped attempt (quadratic, on the
     event loop). Now each removed attempt costs its own small encoding; the envelope is encoded a few times."""
     task = dead_task(2000)
-    whole = len(json.dumps(bridge.dlq.publisher.envelope(task), separators=(",", ":")))
+    whole = len(json.dumps(bridge.dlq.envelope.envelope(task), separators=(",", ":")))
     big_encodings = 0
-    original = bridge.dlq.publisher._encode
+    original = bridge.dlq.envelope._encode
 
     def counting(body: dict) -> bytes:  # type: ignore[type-arg]
         nonlocal big_encodings
@@ -33,7 +33,7 @@ def test_a_long_history_is_trimmed_with_a_bounded_number_of_encodings(monkeypatc
         big_encodings += len(out) > 20_000
         return out
 
-    monkeypatch.setattr(bridge.dlq.publisher, "_encode", counting)
+    monkeypatch.setattr(bridge.dlq.envelope, "_encode", counting)
     record = build_record(task, 150_000)
     assert whole > 150_000 and record.size <= 150_000
     assert big_encodings <= 12
@@ -56,7 +56,7 @@ def test_the_envelope_encoding_is_byte_for_byte_compact_json() -> None:
     import json
     import random
 
-    from bridge.dlq.publisher import _encode
+    from bridge.dlq.envelope import _encode
 
     rng = random.Random(7)
     for _ in range(2000):

@@ -21,7 +21,8 @@ from bridge.engine.policy import decide
 from bridge.engine.sweep import Sweeper
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, Task
-from bridge.store.tasks import RunReport, Store
+from bridge.store.results import RunReport
+from bridge.store.tasks import Store
 
 MAX_ATTEMPTS = 3
 DELAYS = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**400), 10**400))

@@ -10,6 +10,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
+from bridge.dlq.envelope import envelope
 from bridge.dlq.foreign import (
     CONNECT,
     IMPORTED_FORMAT,
@@ -21,7 +22,6 @@ from bridge.dlq.foreign import (
     NotImportable,
     to_task,
 )
-from bridge.dlq.publisher import envelope
 from bridge.model import ErrorInfo, Outcome, Status, Task
 from bridge.records import HEADERS_JSON, KEY_B64, SOURCE, TIMESTAMP, TRACEPARENT
 

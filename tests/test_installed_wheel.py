@@ -117,13 +117,14 @@ def test_a_failed_start_exits_with_a_clear_message(tmp_path: Path) -> None:
 
 _BROKEN_INSTALL = """
 import asyncio, sys
-import bridge.store.tasks
-from bridge.store.tasks import Store, StoreError
+import bridge.store.database
+from bridge.store.database import StoreError
+from bridge.store.tasks import Store
 
 def missing():
     raise FileNotFoundError("site-packages/bridge/store/sql/migrations")
 
-bridge.store.tasks.migrations = missing
+bridge.store.database.migrations = missing
 try:
     asyncio.run(Store.open(sys.argv[1]))
 except StoreError as e:

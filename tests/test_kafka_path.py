@@ -321,7 +321,7 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
         for task_id, why in ((too_big.id, "MSG_SIZE_TOO_LARGE"), (unbuildable.id, "JSONDecodeError")):
             task = await bridge.store.get(task_id)
             assert task is not None and task.dlq_state == "PENDING" and task.dlq_failures >= 1, task_id
-            row = await bridge.store._read(lambda c, i=task_id: c.execute(
+            row = await bridge.store.db.read(lambda c, i=task_id: c.execute(
                 "SELECT dlq_error, dlq_next_at FROM tasks WHERE id = ?", (i,)).fetchone())
             assert why in row[0] and row[1] > bridge.engine.clock.now_ms(), row[0]  # waits for its own retry
         stats = await AdminCommands(bridge.engine, lambda t, p, o: None).stats(StatsArgs(), None, None)  # type: ignore[arg-type]
@@ -337,7 +337,8 @@ async def test_a_dlq_publish_the_store_cannot_record_yet_is_not_sent_twice(
     """The broker acknowledged the DLQ record, but the store could not record it (a full disk fails the whole
     group commit the mark is in). The mark is retried; the record was sent again each round (duplicates)."""
     from bridge.model import ErrorInfo
-    from bridge.store.tasks import Store, StoreError
+    from bridge.store.database import StoreError
+    from bridge.store.tasks import Store
     from tests.helpers import failure
 
     dlq = f"dlq-{unique}"

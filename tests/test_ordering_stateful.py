@@ -31,7 +31,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bridge.changelog.local import LocalIndex
 from bridge.model import ErrorInfo, NewTask, Outcome, Status, Task, key_of_order_key, order_key_of
-from bridge.store.tasks import RunReport, Store
+from bridge.store.results import RunReport
+from bridge.store.tasks import Store
 
 # b"ab?" is YWI/ and b"?\xff" is P/8= in base64 (a `/` inside). Two keys: a bug needs a few steps of one key.
 KEYS = [b"ab?", b"?\xff"]
@@ -77,7 +78,7 @@ class Ordering(RuleBasedStateMachine):
         """Some task is in one of these states (a rule's precondition: steps that do nothing are not drawn)."""
         marks = ",".join("?" * len(statuses))
         sql = f"SELECT 1 FROM tasks WHERE status IN ({marks}) LIMIT 1"
-        return bool(self.run(self.store._read(lambda c: c.execute(sql, statuses).fetchall())))
+        return bool(self.run(self.store.db.read(lambda c: c.execute(sql, statuses).fetchall())))
 
     def of_key(self, key: bytes) -> list[Task]:
         return [t for t in self.tasks() if t.order_key == order_key_of(*HOME, key)]
@@ -292,7 +293,7 @@ class Ordering(RuleBasedStateMachine):
             rows = conn.execute("SELECT * FROM tasks").fetchall()
             return [(i, row["id"].encode(), LocalIndex._entry(conn, row).value) for i, row in enumerate(rows)]
 
-        log = self.run(self.store._read(records))
+        log = self.run(self.store.db.read(records))
         seen: set[str] = set()
         existing = self.run(local.home_ids(HOME))
         size = max(1, len(log) // split)
@@ -332,7 +333,7 @@ class Ordering(RuleBasedStateMachine):
     def nothing_stored_is_lost(self) -> None:
         """Every task the store took is still there unless it was purged after its DLQ record was acknowledged (a
         retried write, a restore, a redrive from the DLQ record: none may drop one)."""
-        present = set(self.run(self.store._read(lambda c: [r[0] for r in c.execute("SELECT id FROM tasks")])))
+        present = set(self.run(self.store.db.read(lambda c: [r[0] for r in c.execute("SELECT id FROM tasks")])))
         missing = set(self.ids) - present - self.gone
         assert not missing, f"tasks lost: {sorted(missing)}"
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from bridge.model import ErrorInfo, Outcome, Status, error_type_matches
+from bridge.store.database import StoreError
 from bridge.store.queries import migrations
-from bridge.store.tasks import Store, StoreError
+from bridge.store.tasks import Store
 from tests.helpers import T0, failure, report
 
 LEASE = 30.0
@@ -33,7 +34,7 @@ async def claim_one(store: Store, now: int = T0, queue: str = "q") -> tuple[str,
 async def test_store_is_wal_with_full_sync_by_default(store: Store) -> None:
     conn = sqlite3.connect(store.path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert await store._in_thread(lambda: store._conn.execute("PRAGMA synchronous").fetchone()[0]) == 2  # FULL
+    assert await store.db.in_thread(lambda: store.db.conn.execute("PRAGMA synchronous").fetchone()[0]) == 2  # FULL
     assert await store.schema_version() == len(migrations()) >= 2
 
 
@@ -267,7 +268,7 @@ async def test_succeeded_tasks_are_purged_after_ttl(store: Store) -> None:
     assert await store.purge("q", "finished", T0) == 0
     assert await store.purge("q", "finished", T0 + 1) == 1
     assert await store.get(task_id) is None
-    assert await store._in_thread(lambda: store._conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]) == 0
+    assert await store.db.in_thread(lambda: store.db.conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]) == 0
 
 
 async def test_the_dlq_outbox_skips_entries_on_their_way(store: Store) -> None:
@@ -461,8 +462,8 @@ async def test_scans_do_not_hold_back_group_commits(store: Store) -> None:
         busy.set()
         release.wait(10)
 
-    assert store._reader is not None
-    holding = asyncio.ensure_future(store._reader._execute(hold, store._reader._conn))
+    assert store.db._reader is not None
+    holding = asyncio.ensure_future(store.db._reader._execute(hold, store.db._reader._conn))
     await asyncio.to_thread(busy.wait, 5)
     counting = asyncio.ensure_future(store.counts())  # queued behind the held reader
     stored = await asyncio.wait_for(store.submit(failure()), 5)  # the writer is not held back

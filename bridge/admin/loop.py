@@ -39,7 +39,7 @@ from bridge.admin.redrive import RedriveCommands
 from bridge.config import AdminConfig, ConfigError
 from bridge.engine.core import Engine
 from bridge.model import Status, Task, parse_rfc3339
-from bridge.store.tasks import StoreError
+from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], Awaitable[None]]

@@ -15,8 +15,9 @@ from typing import Any
 import orjson
 
 from bridge.changelog.codec import Restored, Unreadable, decode, encode
+from bridge.store.database import dict_rows
 from bridge.store.queries import q
-from bridge.store.tasks import Store, dict_rows
+from bridge.store.tasks import Store
 
 Home = tuple[str, int]
 
@@ -83,7 +84,7 @@ class LocalIndex:
 
         # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
         # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).
-        return await self.store._scan(read)
+        return await self.store.db.scan(read)
 
     async def premigration(self, limit: int) -> list[Entry]:
         """Tasks stored before the changelog existed (any partition): the first start writes them to it."""
@@ -91,7 +92,7 @@ class LocalIndex:
         def read(conn: sqlite3.Connection) -> list[Entry]:
             return [self._entry(conn, row) for row in conn.execute(q("premigration_outbox"), {"limit": limit})]
 
-        return await self.store._read(read)
+        return await self.store.db.read(read)
 
     async def snapshot_published(self, task_id: str, topic: str, partition: int, offset: int,
                                  now: int) -> Entry | None:
@@ -105,7 +106,7 @@ class LocalIndex:
                          "dlq_offset": offset, "fetched_at": row["fetched_at"] or now}
             return self._entry(conn, row, row["version"] + 1, published)
 
-        return await self.store._read(read)
+        return await self.store.db.read(read)
 
     @staticmethod
     def _entry(conn: sqlite3.Connection, row: sqlite3.Row, version: int | None = None,
@@ -117,7 +118,7 @@ class LocalIndex:
         return Entry(row["id"], (row["home_topic"], row["home_partition"]), version, value)
 
     async def tombstones(self, limit: int) -> list[Entry]:
-        rows = await self.store._read(lambda c: c.execute(q("tombstones_due"), {"limit": limit}).fetchall())
+        rows = await self.store.db.read(lambda c: c.execute(q("tombstones_due"), {"limit": limit}).fetchall())
         return [Entry(r[0], (r[1], r[2]), 0, None) for r in rows]
 
     async def mark_logged(self, entries: Iterable[Entry]) -> None:
@@ -128,7 +129,7 @@ class LocalIndex:
             conn.executemany(q("changelog_logged"), tasks)
             conn.executemany(q("tombstone_done"), gone)
 
-        await self.store._submit(apply)
+        await self.store.db.write(apply)
 
     async def unlogged(self, ids: Iterable[str]) -> set[str]:
         """Of these tasks, those with a transition the changelog has not acknowledged."""
@@ -137,7 +138,7 @@ class LocalIndex:
         def read(conn: sqlite3.Connection) -> set[str]:
             return {row[0] for row in conn.execute(q("changelog_unlogged_of"), wanted)}
 
-        return await self.store._scan(read)
+        return await self.store.db.scan(read)
 
     # ---- homes -----------------------------------------------------------------------------------------
 
@@ -149,13 +150,13 @@ class LocalIndex:
             conn.execute(q("changelogged_clear"))
             conn.executemany(q("changelogged_add"), params)
 
-        await self.store._submit(apply)
+        await self.store.db.write(apply)
 
     async def set_home(self, home: Home, state: str | None) -> None:
         """'active', 'leaving', or None: not this instance's."""
         query = {"active": "home_activate", "leaving": "home_leaving", None: "home_deactivate"}[state]
         params = {"topic": home[0], "partition": home[1]}
-        await self.store._submit(lambda c: c.execute(q(query), params))
+        await self.store.db.write(lambda c: c.execute(q(query), params))
 
     async def drop_home(self, home: Home) -> int:
         """Remove a partition's tasks from this file (its changelog holds them; the new owner restores them)."""
@@ -170,10 +171,10 @@ class LocalIndex:
                 conn.execute(q("delete_redrives"), {"id": task_id})
             return len(ids)
 
-        return await self.store._submit(apply)
+        return await self.store.db.write(apply)
 
     async def homes_present(self) -> set[Home]:
-        rows = await self.store._read(lambda c: c.execute(q("homes_present")).fetchall())
+        rows = await self.store.db.read(lambda c: c.execute(q("homes_present")).fetchall())
         return {(r[0], r[1]) for r in rows}
 
     # ---- restore ---------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class LocalIndex:
             seen.difference_update(held)
             return result
 
-        return await self.store._submit(apply)
+        return await self.store.db.write(apply)
 
     @staticmethod
     def _unreadable(conn: sqlite3.Connection, topic: str, partition: int, offset: int, key: bytes | None,
@@ -333,7 +334,7 @@ class LocalIndex:
 
     async def home_ids(self, home: Home) -> frozenset[str]:
         params = {"topic": home[0], "partition": home[1]}
-        rows = await self.store._read(lambda c: c.execute(q("home_task_ids"), params).fetchall())
+        rows = await self.store.db.read(lambda c: c.execute(q("home_task_ids"), params).fetchall())
         return frozenset(r[0] for r in rows)
 
     async def restore_finish(self, home: Home, seen: set[str]) -> int:
@@ -350,16 +351,16 @@ class LocalIndex:
                     self._delete(conn, task_id)
             return len(gone)
 
-        return await self.store._submit(apply)
+        return await self.store.db.write(apply)
 
     async def partitions_status(self) -> dict[str, dict[str, int]]:
-        rows = await self.store._scan(lambda c: c.execute(q("partitions_status")).fetchall())
+        rows = await self.store.db.scan(lambda c: c.execute(q("partitions_status")).fetchall())
         return {f"{r[0]}/{r[1]}": {"open": r[2], "changelog_lag": r[3]} for r in rows}
 
     async def quarantined_counts(self) -> dict[str, int]:
-        rows = await self.store._scan(lambda c: c.execute(q("quarantine_count")).fetchall())
+        rows = await self.store.db.scan(lambda c: c.execute(q("quarantine_count")).fetchall())
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}
 
     async def unreadable_counts(self) -> dict[str, int]:
-        rows = await self.store._scan(lambda c: c.execute(q("unreadable_count")).fetchall())
+        rows = await self.store.db.scan(lambda c: c.execute(q("unreadable_count")).fetchall())
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}

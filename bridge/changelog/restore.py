@@ -25,7 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
 from bridge.clock import Clock
-from bridge.store.tasks import StoreError
+from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
 _BATCH = 5000

@@ -29,7 +29,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from bridge.changelog.local import Entry, Home, LocalIndex
 from bridge.clock import Clock
-from bridge.store.tasks import StoreError
+from bridge.store.database import StoreError
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from bridge.admin.protocol import MAX_REDRIVE_RATE
 from bridge.cli.redrive import DEFAULT_RATE
 from bridge.config import BridgeConfig, ConfigError, load_config
 from bridge.logs import FORMATS, setup_logging
-from bridge.store.tasks import StoreError
+from bridge.store.database import StoreError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 from ulid import ULID
 
-from bridge.dlq.publisher import SCHEMA
+from bridge.dlq.envelope import SCHEMA
 from bridge.model import Attempt, ErrorInfo, Outcome, Status, Task
 from bridge.records import SourceRecord
 

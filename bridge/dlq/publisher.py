@@ -1,4 +1,4 @@
-"""Dead-lettering (SPEC §5.3, §6): the DLQ outbox and the v1 wire envelope.
+"""Dead-lettering (SPEC §5.3, §6): the DLQ outbox publisher (the envelope is dlq/envelope.py).
 
 DEAD is committed in the store first; this publisher then sends each unpublished DEAD task to its queue's DLQ
 topic (idempotent producer, acks=all) and records where it landed. What is not acknowledged stays in the outbox
@@ -10,155 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
 
-import orjson
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
+from bridge.dlq.envelope import build_record, surely_fits
 from bridge.model import Task
-from bridge.records import SOURCE, TRACEPARENT, TRACESTATE, source_headers, source_key
-from bridge.store.tasks import Store, StoreError
+from bridge.records import TRACEPARENT
+from bridge.store.database import StoreError
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
-SCHEMA = "rdq.dead-letter/v1"
-_STACK_KEEP = 1000
-_MESSAGE_KEEP = 1000
-_RECORD_OVERHEAD = 512  # record batch framing, generously
 _DEFAULT_TOPIC_LIMIT = 1_048_588
 _RETRY_FIRST = 5.0  # an outbox entry whose publish failed waits this long, doubling per failure…
 _RETRY_MAX = 300.0  # …up to this; the entries behind it do not wait for it
 _DEFAULT_BATCH = 1_000_000
-
-
-@dataclass(frozen=True)
-class DlqRecord:
-    key: bytes | None
-    value: bytes
-    headers: list[tuple[str, bytes | None]]
-    trimmed: dict[str, Any] | None
-
-    @property
-    def size(self) -> int:
-        headers = sum(len(k) + len(v or b"") for k, v in self.headers)
-        return len(self.value) + len(self.key or b"") + headers + _RECORD_OVERHEAD
-
-
-def envelope(task: Task) -> dict[str, Any]:
-    reason = task.dead_reason
-    return {
-        "schema": SCHEMA,
-        "task": task.to_json(),
-        "reason": {"type": reason.type, "message": reason.message} if reason else None,
-        "attempts": [a.to_json() for a in task.attempts],
-    }
-
-
-def dlq_headers(task: Task, traceparent: str | None = None) -> list[tuple[str, bytes | None]]:
-    ours: list[tuple[str, bytes | None]] = [
-        ("rdq.task_id", task.id.encode()),
-        ("rdq.queue", task.queue.encode()),
-        ("rdq.source", task.headers.get(SOURCE, "").encode()),
-        ("rdq.error.type", (task.dead_reason.type if task.dead_reason else "").encode()),
-        ("rdq.attempts", str(len(task.attempts)).encode()),
-    ]
-    traceparent = traceparent or task.headers.get(TRACEPARENT)
-    if traceparent:
-        ours.append((TRACEPARENT, traceparent.encode()))
-    if TRACESTATE in task.headers:
-        ours.append((TRACESTATE, task.headers[TRACESTATE].encode()))
-    # The source record's own headers, as they came (ours win where names clash).
-    taken = {name for name, _ in ours}
-    return ours + [(k, v) for k, v in source_headers(task.headers) if k not in taken and not k.startswith("rdq.")]
-
-
-def _encode(body: dict[str, Any]) -> bytes:
-    # The bytes of json.dumps(body, separators=(",", ":"), ensure_ascii=False) in UTF-8, ~5x faster (checked
-    # equal over random Unicode in tests/test_dlq_trim.py).
-    return orjson.dumps(body)
-
-
-def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqRecord:
-    """The §6 v1 record for a DEAD task, trimmed to fit `limit` bytes if it must be."""
-    body = envelope(task)
-    key, headers = source_key(task.headers), dlq_headers(task, traceparent)
-    record = DlqRecord(key, _encode(body), headers, None)
-    if record.size <= limit:
-        return record
-    body = copy.deepcopy(body)
-    trimmed: dict[str, Any] = {"original_bytes": record.size}
-    body["trimmed"] = trimmed
-
-    def over() -> int:
-        """Bytes past the limit as the body stands now (<= 0: it fits)."""
-        return DlqRecord(key, _encode(body), headers, trimmed).size - limit
-
-    for step in (_truncate_stacks, _drop_stacks, _drop_middle_attempts, _truncate_messages):
-        step(body, trimmed, over)
-        if over() <= 0:
-            break
-    return DlqRecord(key, _encode(body), headers, trimmed)
-
-
-def _surely_fits(task: Task, limit: int) -> bool:
-    """A cheap upper bound on the record's size (base64 payload, stacks and messages, escaping) under `limit`."""
-    text = sum(len(a.error.stack or "") + len(a.error.message) for a in task.attempts if a.error)
-    bound = 2 * len(task.payload) + 6 * text + 1000 * (len(task.attempts) + len(task.headers)) + 8000
-    return bound < limit
-
-
-def _errors(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [a["error"] for a in body["attempts"] if a.get("error")]
-
-
-def _truncate_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
-    for error in _errors(body):
-        if error.get("stack") and len(error["stack"]) > _STACK_KEEP:
-            error["stack"] = "…" + error["stack"][-_STACK_KEEP:]
-    trimmed["stacks"] = f"truncated to their last {_STACK_KEEP} characters"
-
-
-def _drop_stacks(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
-    for error in _errors(body):
-        error["stack"] = None
-    trimmed["stacks"] = "removed"
-
-
-def _drop_middle_attempts(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
-    """Keep the first and the last attempts; remove from the middle, one at a time, until the record fits.
-
-    The excess is tracked by arithmetic (each removed attempt's encoded length), not by re-encoding the whole
-    envelope per removed attempt: with a long history that was quadratic, on the event loop."""
-    attempts = body["attempts"]
-    removed: list[dict[str, int]] = []
-    trimmed["attempts_removed"] = removed
-    excess = over()
-    while len(attempts) > 2 and excess > 0:
-        gone = attempts.pop(len(attempts) // 2)
-        entry = {"redrive_no": gone["redrive_no"], "attempt_no": gone["attempt_no"]}
-        # The attempt and its comma leave; the entry (and a comma after the first) arrives.
-        excess += -len(_encode(gone)) - 1 + len(_encode(entry)) + (1 if removed else 0)
-        removed.append(entry)
-    removed.sort(key=lambda r: (r["redrive_no"], r["attempt_no"]))
-
-
-def _truncate_messages(body: dict[str, Any], trimmed: dict[str, Any], over: Callable[[], int]) -> None:
-    """Error messages of the attempts and of the dead reason (in `reason` and in `task.dead_reason`)."""
-    reasons = [r for r in (body.get("reason"), body["task"].get("dead_reason")) if r]
-    for error in [*_errors(body), *reasons]:
-        if len(error.get("message") or "") > _MESSAGE_KEEP:
-            error["message"] = error["message"][:_MESSAGE_KEEP] + "…"
-    trimmed["messages"] = f"truncated to {_MESSAGE_KEEP} characters"
 
 
 class DlqPublisher:
@@ -244,7 +119,7 @@ class DlqPublisher:
         with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
             # Traced: the record carries the publish span's context (same trace); untraced: the source's.
             traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
-            if _surely_fits(task, limit):
+            if surely_fits(task, limit):
                 record = build_record(task, limit, traceparent)
             else:  # trimming a long history re-encodes a large envelope: not on the event loop
                 record = await asyncio.to_thread(build_record, task, limit, traceparent)

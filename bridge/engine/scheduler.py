@@ -24,7 +24,9 @@ from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import UNROUTABLE, VERSION_MISMATCH, ErrorInfo, Outcome, Task
 from bridge.registry import Handler, Registry
-from bridge.store.tasks import Result, RunReport, Store, StoreError
+from bridge.store.database import StoreError
+from bridge.store.results import Result, RunReport
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 from bridge.threads import HandlerThreads
 

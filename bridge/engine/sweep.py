@@ -12,7 +12,9 @@ from bridge.clock import Clock
 from bridge.engine.policy import decide
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome
-from bridge.store.tasks import Store, StoreError, SweepCounts
+from bridge.store.database import StoreError
+from bridge.store.results import SweepCounts
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)

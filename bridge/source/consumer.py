@@ -39,7 +39,8 @@ from bridge.records import SourceRecord
 from bridge.source.first_delivery import FirstDelivery, Ran
 from bridge.source.lanes import CpuLoad, Lane
 from bridge.source.offsets import PartitionTracker
-from bridge.store.tasks import Store, StoreError
+from bridge.store.database import StoreError
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)

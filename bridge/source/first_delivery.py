@@ -42,7 +42,8 @@ from bridge.model import (
 )
 from bridge.records import SourceRecord, TaskHeaders
 from bridge.registry import Handler, Registry
-from bridge.store.tasks import Store, StoreError
+from bridge.store.database import StoreError
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 from bridge.threads import HandlerThreads
 

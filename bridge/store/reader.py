@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from bridge.model import Attempt, Status, Task
+from bridge.store.database import StoreError
 from bridge.store.queries import q
-from bridge.store.tasks import StoreError
 
 
 class StoreReader:

@@ -18,7 +18,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from bridge.store.tasks import Store, StoreError
+from bridge.store.database import StoreError
+from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from bridge.engine.core import Engine
 from bridge.engine.policy import decide
 from bridge.engine.runner import RunOutcome
 from bridge.model import ErrorInfo, Outcome, Task, rfc3339
-from bridge.store.tasks import StoreError
+from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
 PROTOCOL = 2  # 2: lease tokens are opaque strings (they were integers)
