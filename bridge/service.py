@@ -17,6 +17,7 @@ from pathlib import Path
 from confluent_kafka import Producer
 
 from bridge.admin.loop import AdminCommands, AdminLoop
+from bridge.aio import Backoff
 from bridge.changelog.local import LocalIndex
 from bridge.changelog.restore import Restorer
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
@@ -40,8 +41,9 @@ from bridge.kafka_clients import (
 from bridge.live_config import LiveConfig
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
-from bridge.source.consumer import Changelog, SourceConsumer
+from bridge.source.consumer import SourceConsumer
 from bridge.source.first_delivery import FirstDelivery
+from bridge.source.restores import Changelog
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 from bridge.telemetry.health import HealthServer
@@ -202,7 +204,7 @@ async def open_bridge(config: BridgeConfig, registry: Registry, config_path: Pat
 async def changelog_topics(config: BridgeConfig, stop: asyncio.Event) -> dict[str, str]:
     """The changelog topic of each source topic, created when missing and checked (SPEC §10). Waits for the
     broker; a changelog that exists but is wrong refuses the start (ChangelogTopicError)."""
-    delay = 0.5
+    backoff = Backoff(0.5, 5.0)
     while True:
         try:
             return await asyncio.to_thread(ensure_changelogs, config, make_admin(config), 10.0)
@@ -212,8 +214,7 @@ async def changelog_topics(config: BridgeConfig, stop: asyncio.Event) -> dict[st
             if stop.is_set():
                 raise
             log.warning("cannot check the changelog topics yet (the broker?); retrying: %s", e)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await backoff.sleep()
 
 
 async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asyncio.Event | None = None) -> None:

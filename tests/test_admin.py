@@ -250,9 +250,9 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
     async with running_bridge(config_a, registry, instance_id="bridge-a") as a, \
             running_bridge(config_b, registry, instance_id="bridge-b") as b:
         def split() -> tuple[frozenset[Any], frozenset[Any]] | None:
-            if (len(a.consumer._assigned) + len(b.consumer._assigned) == 3 and a.consumer._assigned
-                    and b.consumer._assigned and not a.consumer.restoring and not b.consumer.restoring):
-                return frozenset(a.consumer._assigned), frozenset(b.consumer._assigned)
+            if (len(a.consumer.assigned) + len(b.consumer.assigned) == 3 and a.consumer.assigned
+                    and b.consumer.assigned and not a.consumer.restoring and not b.consumer.restoring):
+                return frozenset(a.consumer.assigned), frozenset(b.consumer.assigned)
             return None
 
         seen: list[Any] = []
@@ -262,7 +262,7 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
             return len(seen) > 20 and seen[-1] is not None and len(set(seen[-21:])) == 1
 
         await wait_until(settled, what="both instances assigned, the group settled")
-        owned_by_a = sorted(p for _, p in a.consumer._assigned)[0]
+        owned_by_a = sorted(p for _, p in a.consumer.assigned)[0]
         produce(config_a, f"dlq-{unique}", [(None, envelope(owned_by_a), []), (None, envelope(owned_by_a), []),
                                             (None, envelope(7, "a2V5"), [])])
         # In the order produced (the DLQ topic has several partitions: the read order is not that order).
@@ -289,7 +289,7 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
             replies["bridge-b"], owned_by_a)
         # Partition 7 does not exist: the key chooses its home among the topic's 3 partitions.
         home = zlib.crc32(b"key") % 3
-        owner, other = ("bridge-a", "bridge-b") if (f"in-{unique}", home) in a.consumer._assigned else \
+        owner, other = ("bridge-a", "bridge-b") if (f"in-{unique}", home) in a.consumer.assigned else \
             ("bridge-b", "bridge-a")
         replies = {r["instance"]: r for r in await ask(config_a, "redrive", gone, instances=2)}
         assert replies[owner]["ok"] and replies[owner]["result"]["home"] == f"in-{unique}/{home}"

@@ -546,14 +546,14 @@ async def test_a_partition_lost_and_assigned_again_at_once_is_restored_and_runs(
             return await hand_over(tps, grace)
 
         bridge.consumer.changelog.hand_over = slow_hand_over  # type: ignore[union-attr]
-        consumer = bridge.consumer._consumer
+        consumer = bridge.consumer.kafka
         partitions = [TopicPartition(topic, 0)]
 
         def lost_then_assigned() -> None:  # on the consumer thread, as librdkafka calls them inside consume
-            bridge.consumer._on_lost(consumer, partitions)
-            bridge.consumer._on_assign(consumer, partitions)
+            bridge.consumer.ownership.on_lost(consumer, partitions)
+            bridge.consumer.ownership.on_assign(consumer, partitions)
 
-        await bridge.consumer._call(lost_then_assigned)
+        await bridge.consumer.thread.call(lost_then_assigned)
         await asyncio.sleep(1.5)  # past the slow clean-up
         await wait_until(lambda: bridge.consumer.owns(topic, 0), within=30, what="the partition owned again")
         assert (await bridge.store.counts())["q"]["PENDING"] == 5  # restored after the clean-up, not wiped by it

@@ -203,7 +203,7 @@ async def test_a_redriven_record_runs_before_its_keys_records_that_arrive_while_
         produce(config, f"in-{unique}", records(1, 5))
         await wait_until(lambda: len(recorder.done) == 4, what="every record but the dead one")
         [dead] = await bridge.store.list_tasks("q", Status.DEAD)
-        lanes = bridge.consumer._lanes.values()
+        lanes = bridge.consumer.lanes.values()
         await wait_until(lambda: not any(lane.blocked_keys() for lane in lanes), what="k0 free (its head is dead)")
         recorder.permanent.clear()
         recorder.slow[("k0", 1)] = 1.5  # fixed now, and slow: the key's next records arrive while it runs
@@ -330,14 +330,14 @@ async def test_a_hot_keys_records_set_aside_count_towards_the_pause(kafka: Kafka
         consumer = bridge.consumer
 
         def paused_by_its_backlog() -> bool:
-            lane = consumer._lanes.get(tp)  # (a partition is paused while it restores, too: not that pause)
+            lane = consumer.lanes.get(tp)  # (a partition is paused while it restores, too: not that pause)
             restored = tp not in consumer.restoring
-            return lane is not None and restored and lane.set_aside > 2000 and tp in consumer._paused
+            return lane is not None and restored and lane.set_aside > 2000 and tp in consumer.paused
 
         await wait_until(paused_by_its_backlog, within=60, what="the partition paused by its set-aside records")
         await asyncio.sleep(1.0)
-        lane = consumer._lanes[tp]
-        assert tp in consumer._paused and lane.backlog > 2000  # it stays paused while its backlog is high
+        lane = consumer.lanes[tp]
+        assert tp in consumer.paused and lane.backlog > 2000  # it stays paused while its backlog is high
         release.set()
         await wait_until(lambda: len(done) == n, within=120, what="every record of the hot key")
     assert done == list(range(n))

@@ -446,7 +446,7 @@ async def test_a_revoked_partitions_journal_rows_are_pruned(store: Store, tmp_pa
                               lambda: None)  # type: ignore[arg-type, return-value]
     await store.journal_inflight("run-old", [("t", 0, 10, 20), ("t", 1, 5, 9)], [], T0)
     await store.journal_inflight("run-now", [("t", 0, 21, 30)], [], T0)
-    await consumer._forget({("t", 0)})
+    await consumer.journal.prune({("t", 0)})
     assert await store.journal_suspects("another-run") == [("t", 1, 5, 9)]
 
 

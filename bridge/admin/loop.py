@@ -12,7 +12,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -36,6 +35,7 @@ from bridge.admin.protocol import (
     verify,
 )
 from bridge.admin.redrive import RedriveCommands
+from bridge.aio import OneThread
 from bridge.config import AdminConfig, ConfigError
 from bridge.engine.core import Engine
 from bridge.model import Status, Task, parse_rfc3339
@@ -199,7 +199,7 @@ class AdminLoop:
         self._consumer_factory = consumer_factory
         self._producer_factory = producer_factory
         self._now_ms = now_ms
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-admin")
+        self._thread = OneThread("rdq-admin")
         self._producer: Producer | None = None
         self.handled = 0
         self.refused = 0
@@ -210,7 +210,7 @@ class AdminLoop:
         return 300_000 if self.admin.auth == "none" else int(self.admin.auth.max_skew * 1000)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await self._thread.call(fn, *args)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.commands.load_settings()

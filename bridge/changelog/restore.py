@@ -13,16 +13,15 @@ logged (see LocalIndex.restore_finish).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from bridge.aio import OneThread
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
 from bridge.clock import Clock
 from bridge.store.database import StoreError
@@ -99,10 +98,10 @@ class Restorer:
         # consumer's "end" is the last stable offset, which stops short of everything committed after an open
         # transaction (a crashed owner's), and a restore that stopped there would miss it.
         self._end_factory = end_factory or consumer_factory
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-restore")
+        self._thread = OneThread("rdq-restore")
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await self._thread.call(fn, *args)
 
     async def restore(self, home: Home, wanted: Callable[[], bool] = lambda: True) -> RestoreReport:
         """Restore one home partition from the beginning of its changelog. `wanted()` false: give up (revoked)."""

@@ -20,13 +20,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
+from bridge.aio import Backoff, OneThread
 from bridge.changelog.local import Entry, Home, LocalIndex
 from bridge.clock import Clock
 from bridge.store.database import StoreError
@@ -100,7 +100,7 @@ class ChangelogWriter:
         self._group_metadata = group_metadata
         self._writable = writable  # None: every home in the outbox (tests of the writer alone)
         self._producer: Producer | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rdq-changelog")
+        self._thread = OneThread("rdq-changelog")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dlq: list[_DlqItem] = []
         self._waiters: dict[str, list[Callable[[], None]]] = {}
@@ -170,7 +170,7 @@ class ChangelogWriter:
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         assert self._loop is not None
-        return await self._loop.run_in_executor(self._thread, fn, *args)
+        return await self._thread.call(fn, *args)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -191,7 +191,7 @@ class ChangelogWriter:
         self._thread.shutdown(wait=False)
 
     async def _start_producer(self, stop: asyncio.Event) -> None:
-        delay = 0.5
+        backoff = Backoff(0.5, 5.0)
         while not stop.is_set():
             try:
                 producer = self._producer_factory()
@@ -201,8 +201,7 @@ class ChangelogWriter:
                 return
             except KafkaException as e:
                 log.warning("changelog producer cannot start its transactions yet (retrying): %s", e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.sleep()
 
     async def _push_premigration(self) -> None:
         """An existing store's tasks (from before the changelog) go to the changelog of their partition, whoever
@@ -380,16 +379,15 @@ class ChangelogWriter:
         self.seconds["waiters"] += time.monotonic() - began
 
     async def _mark(self, entries: list[Entry]) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         while True:
             try:
                 await self.local.mark_logged(entries)
                 return
             except StoreError as e:  # logged but not marked: written again next round (harmless, same state)
                 log.warning("cannot mark changelog records as logged yet (retrying): %s", e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                if delay >= 5.0:
+                await backoff.sleep()
+                if backoff.delay >= 5.0:
                     return
 
     async def _failed(self, work: _Round, error: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Any, cast
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
+from bridge.aio import Backoff, first_of
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
@@ -87,7 +88,7 @@ class DlqPublisher:
                     await asyncio.sleep(0)  # a full batch: more may wait in the outbox, go on at once
                     continue
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_first(self.wake, stop), 1.0)
+                    await asyncio.wait_for(first_of(self.wake, stop), 1.0)
         finally:
             await self._finish(poller)
 
@@ -202,7 +203,7 @@ class DlqPublisher:
         """Record where the broker put it. While the store cannot be written (full disk) the mark is retried and
         the entry stays pending here: sending it again would put a duplicate in the DLQ. Only a stop (or a crash)
         before the mark is written leaves it to be republished: a duplicate, never a loss."""
-        delay = 0.1
+        backoff = Backoff(0.1, 5.0)
         try:
             while True:
                 try:
@@ -215,8 +216,7 @@ class DlqPublisher:
                                   extra={"task_id": task.id})
                         return
                     log.warning("could not record the DLQ publish yet (retrying): %s", e, extra={"task_id": task.id})
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                    await backoff.sleep()
             self.published += 1
             self.telemetry.metrics.dlq_published.labels(task.queue).inc()
             log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
@@ -232,12 +232,3 @@ class DlqPublisher:
         await asyncio.to_thread(poller.join, 5.0)
         if self._marking:
             await asyncio.wait(list(self._marking), timeout=5.0)
-
-
-async def _first(*events: asyncio.Event) -> None:
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()

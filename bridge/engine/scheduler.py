@@ -15,6 +15,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from bridge.aio import first_of
 from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.engine.breaker import Breaker, Breakers, State
@@ -169,12 +170,7 @@ class Scheduler:
                 timeout = min(_MAX_IDLE, max(0.0, (next_due - self.clock.now_ms()) / 1000))
         if timeout <= 0:
             return
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        try:
-            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waiters:
-                w.cancel()
+        await first_of(*events, timeout=timeout)
 
     async def run_once(self, name: str) -> int:
         """Claim due tasks for the free slots and as many again ahead of them, and start them. Returns how many

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bridge.aio import Backoff
 from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.engine.policy import decide
@@ -340,7 +341,7 @@ class FirstDelivery:
         """Store a batch of failures until every one is durable (submitted together: they share group commits).
         Those the store refuses are retried with backoff while the consumer is paused; none is ever dropped."""
         waiting = list(tasks)
-        delay = 0.05
+        backoff = Backoff(0.05, _STORE_RETRY_MAX)
         while True:
             try:
                 errors: list[StoreError | None] = await self.store.submit_many(waiting)
@@ -354,8 +355,7 @@ class FirstDelivery:
                 break
             if self.on_store_health:
                 self.on_store_health(False)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _STORE_RETRY_MAX)
+            await backoff.sleep()
             waiting = [task for task, _ in failed]
         if self.on_store_health:
             self.on_store_health(True)

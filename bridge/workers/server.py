@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bridge.aio import first_of
 from bridge.config import WorkersConfig
 from bridge.engine.core import Engine
 from bridge.engine.policy import decide
@@ -285,15 +286,7 @@ class WorkerServer:
         for event in events:
             event.clear()
         timeout = max(0.0, min(deadline - asyncio.get_running_loop().time(), 0.25))
-        waiters = [asyncio.ensure_future(e.wait()) for e in events]
-        try:
-            if waiters:
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(timeout)
-        finally:
-            for w in waiters:
-                w.cancel()
+        await first_of(*events, timeout=timeout)
 
     def _task_json(self, task: Task) -> dict[str, Any]:
         return {
