@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
 from bridge.config import BridgeConfig
 
@@ -110,6 +110,29 @@ def make_admin_consumer(config: BridgeConfig, instance_id: str) -> Consumer:
 
 def make_admin(config: BridgeConfig) -> AdminClient:
     return AdminClient(_base(config))
+
+
+DEFAULT_TOPIC_LIMIT = 1_048_588  # the broker's default max.message.bytes
+_BATCH_MAX = 1_000_000
+
+
+def topic_max_message_bytes(admin: AdminClient, topic: str) -> int:
+    """A topic's max.message.bytes (the default when it cannot be read: the limit is an optimisation, the broker
+    still refuses what is too big)."""
+    try:
+        resource = ConfigResource("topic", topic)
+        configs = admin.describe_configs([resource])[resource].result(10)
+        return int(configs["max.message.bytes"].value)
+    except Exception as e:
+        logging.getLogger(__name__).warning("cannot read max.message.bytes of %s (assuming %d): %s", topic,
+                                            DEFAULT_TOPIC_LIMIT, e)
+        return DEFAULT_TOPIC_LIMIT
+
+
+def dlq_batch_bytes(limits: list[int]) -> int:
+    """The broker checks a topic's max.message.bytes against a whole batch: a producer of DLQ records (the DLQ
+    publisher's, the changelog's) never batches past the smallest DLQ topic's limit."""
+    return min([_BATCH_MAX, *limits])
 
 
 def ensure_topics(config: BridgeConfig, timeout: float = 30.0) -> list[str]:

@@ -25,8 +25,10 @@ from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
 from bridge.dlq.publisher import DlqPublisher
 from bridge.engine.core import Engine, default_instance_id, supervise
+from bridge.hooks import Hooks
 from bridge.kafka_clients import (
     broker_reachable,
+    dlq_batch_bytes,
     make_admin,
     make_admin_consumer,
     make_changelog_producer,
@@ -37,6 +39,7 @@ from bridge.kafka_clients import (
     partition_count,
     read_range,
     read_record,
+    topic_max_message_bytes,
 )
 from bridge.live_config import LiveConfig
 from bridge.model import new_task_id
@@ -79,7 +82,8 @@ def check_handlers(config: BridgeConfig, registry: Registry) -> None:
 
 
 class Bridge:
-    """Every part of a running bridge, built from one config."""
+    """Every part of a running bridge, built from one config in dependency order: each part is given what it
+    uses when it is built; what one part tells another goes through `hooks` (bridge/hooks.py)."""
 
     def __init__(self, config: BridgeConfig, store: Store, registry: Registry, config_path: Path | None = None,
                  instance_id: str | None = None, telemetry: Telemetry | None = None,
@@ -87,64 +91,44 @@ class Bridge:
         self.config = config
         self.store = store
         self.live = LiveConfig(config, config_path)
+        self.hooks = Hooks()
         self.http_handlers = {q.handler: HttpHandler(q.http) for q in config.queues.values() if q.http is not None}
         registry = registry.extended(dict(self.http_handlers))
         instance_id = instance_id or config.engine.instance_id or default_instance_id()
         self.telemetry = telemetry or Telemetry(config.telemetry, group_id=config.kafka.group_id,
                                                 instance_id=instance_id)
-        self.engine = Engine(store, self.live, registry, instance_id=instance_id, telemetry=self.telemetry)
+        self.engine = Engine(store, self.live, registry, instance_id=instance_id, telemetry=self.telemetry,
+                             hooks=self.hooks)
         self.run_id = f"{self.engine.instance_id}-{new_task_id()}"
-        grace = config.engine.grace_period
         self.delivery = FirstDelivery(store, self.live, registry, self.engine.clock, self.engine.threads,
-                                      self.engine.instance_id, on_dead=lambda queue: self.engine.dead_event.set(),
-                                      telemetry=self.telemetry, on_pending=self.engine.scheduler.wake,
-                                      on_attempts=self.engine.scheduler.breakers.record)
-        self.changelog: Changelog | None = None
-        if changelog_topics is not None:
-            self.changelog = self._changelog(config, store, changelog_topics)
+                                      self.engine.instance_id, hooks=self.hooks, telemetry=self.telemetry)
+        self.changelog = self._changelog(changelog_topics) if changelog_topics is not None else None
         self.consumer = SourceConsumer(config, self.live, self.delivery, store, self.run_id, self.engine.clock,
-                                       lambda: make_consumer(config), grace,
+                                       lambda: make_consumer(config), config.engine.grace_period,
                                        paused_queues=self.engine.scheduler.held_queues, changelog=self.changelog)
-        self.delivery.on_store_health = self.consumer.set_store_health
-        self.engine.before_redrive = self.consumer.block_order_keys
-        self.admin: AdminLoop | None = None
-        if config.admin is not None:
-            changelog = self.changelog is not None
-            commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns,
-                                     self.consumer.changelog_status if changelog else None,
-                                     (lambda topic: partition_count(config, topic)) if changelog else None,
-                                     lambda t, p, start, end: read_range(config, t, p, start, end))
-            self.admin = AdminLoop(config.admin, commands, self.engine.instance_id,
-                                   lambda: make_admin_consumer(config, self.run_id),
-                                   lambda: make_producer(config), self.engine.clock.now_ms)
+        self.hooks.store_health.subscribe(self.consumer.set_store_health)
+        self.hooks.before_redrive.subscribe(self.consumer.block_order_keys)
         self.dlq = DlqPublisher(store, config, lambda batch: make_dlq_producer(config, batch),
                                 lambda: make_admin(config), self.engine.clock, self.engine.dead_event,
                                 telemetry=self.telemetry,
                                 changelog=self.changelog.writer if self.changelog is not None else None)
+        self.admin = self._admin() if config.admin is not None else None
         self.workers = WorkerServer(config.workers, self.engine) if config.workers is not None else None
-        self.health: HealthServer | None = None
-        if config.telemetry.port is not None:
-            self.health = HealthServer(self.telemetry, store, lambda: make_admin(config), config.telemetry.host,
-                                       config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
-                                       queues=self.live.queue_names,
-                                       restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring},
-                                       breakers=lambda: {q: b["state"] for q, b in
-                                                         self.engine.scheduler.breakers.status().items()})
+        self.health = self._health() if config.telemetry.port is not None else None
 
-    def _changelog(self, config: BridgeConfig, store: Store, topics: dict[str, str]) -> Changelog:
-        instance = self.engine.instance_id
-        local = LocalIndex(store)
+    def _changelog(self, topics: dict[str, str]) -> Changelog:
+        config, instance = self.config, self.engine.instance_id
+        local = LocalIndex(self.store)
 
-        def producer() -> Producer:
-            # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
-            limits = [self.dlq._topic_limit(config.dlq_topic(q)) for q in config.queues]
-            return make_changelog_producer(config, min([1_000_000, *limits]))
+        def producer() -> Producer:  # its transactions carry DLQ records too
+            limits = [topic_max_message_bytes(make_admin(config), config.dlq_topic(q)) for q in config.queues]
+            return make_changelog_producer(config, dlq_batch_bytes(limits))
 
         writer = ChangelogWriter(local, topics, producer, lambda: self.consumer.commit_positions(),
                                  lambda: self.consumer.group_metadata(), self.engine.clock,
                                  config.store.changelog_commit_interval, self.telemetry,
                                  lambda: self.consumer.writable())
-        self.engine.scheduler.claim_logged = lambda task, timeout: writer.logged(task.id, timeout)
+        self.hooks.claim_logged = lambda task, timeout: writer.logged(task.id, timeout)
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
                             lambda: make_restore_consumer(config, instance, committed_only=False))
 
@@ -156,6 +140,28 @@ class Bridge:
             return topics
 
         return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry, ensure_topics)
+
+    def _admin(self) -> AdminLoop:
+        config = self.config
+        assert config.admin is not None
+        changelog = self.changelog is not None
+        commands = AdminCommands(self.engine, lambda t, p, o: read_record(config, t, p, o), self.consumer.owns,
+                                 self.consumer.changelog_status if changelog else None,
+                                 (lambda topic: partition_count(config, topic)) if changelog else None,
+                                 lambda t, p, start, end: read_range(config, t, p, start, end))
+        return AdminLoop(config.admin, commands, self.engine.instance_id,
+                         lambda: make_admin_consumer(config, self.run_id), lambda: make_producer(config),
+                         self.engine.clock.now_ms)
+
+    def _health(self) -> HealthServer:
+        config = self.config
+        assert config.telemetry.port is not None
+        breakers = self.engine.scheduler.breakers
+        return HealthServer(self.telemetry, self.store, lambda: make_admin(config), config.telemetry.host,
+                            config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
+                            queues=self.live.queue_names,
+                            restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring},
+                            breakers=lambda: {q: b["state"] for q, b in breakers.status().items()})
 
     async def run(self, stop: asyncio.Event) -> None:
         parts = [

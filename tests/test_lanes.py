@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from bridge.clock import SystemClock
+from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status
@@ -24,7 +25,6 @@ from bridge.registry import Registry
 from bridge.source.first_delivery import FirstDelivery, Ran
 from bridge.source.lanes import Lane
 from bridge.store.tasks import Store
-from bridge.threads import HandlerThreads
 from tests.helpers import engine_config, eventually
 
 

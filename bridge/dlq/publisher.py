@@ -17,13 +17,14 @@ from functools import partial
 from typing import Any, cast
 
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient
 
 from bridge.aio import Backoff, first_of
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.dlq.envelope import build_record, surely_fits
+from bridge.kafka_clients import dlq_batch_bytes, topic_max_message_bytes
 from bridge.model import Task
 from bridge.records import TRACEPARENT
 from bridge.store.database import StoreError
@@ -31,10 +32,8 @@ from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
-_DEFAULT_TOPIC_LIMIT = 1_048_588
 _RETRY_FIRST = 5.0  # an outbox entry whose publish failed waits this long, doubling per failure…
 _RETRY_MAX = 300.0  # …up to this; the entries behind it do not wait for it
-_DEFAULT_BATCH = 1_000_000
 
 
 class DlqPublisher:
@@ -71,10 +70,9 @@ class DlqPublisher:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        # The broker checks a topic's max.message.bytes against a whole batch: never batch past the smallest.
         limits = [await self._limit(self.config.dlq_topic(q)) for q in self.config.queues]
         if self.changelog is None:
-            self._producer = self._producer_factory(min([_DEFAULT_BATCH, *limits]))
+            self._producer = self._producer_factory(dlq_batch_bytes(limits))
             self._polling.set()
         poller = threading.Thread(target=self._poll, name="rdq-dlq-poll", daemon=True)
         poller.start()
@@ -155,14 +153,7 @@ class DlqPublisher:
         return self._limits[topic]
 
     def _topic_limit(self, topic: str) -> int:
-        try:
-            admin = self._admin_factory()
-            resource = ConfigResource("topic", topic)
-            configs = admin.describe_configs([resource])[resource].result(10)
-            return int(configs["max.message.bytes"].value)
-        except Exception as e:  # the limit is an optimisation; the broker still refuses what is too big
-            log.warning("cannot read max.message.bytes of %s (assuming %d): %s", topic, _DEFAULT_TOPIC_LIMIT, e)
-            return _DEFAULT_TOPIC_LIMIT
+        return topic_max_message_bytes(self._admin_factory(), topic)
 
     def _poll(self) -> None:
         while self._polling.is_set():

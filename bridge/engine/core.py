@@ -6,17 +6,17 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Callable
 
 from bridge.clock import Clock, SystemClock
 from bridge.engine.scheduler import Scheduler
 from bridge.engine.sweep import Sweeper
+from bridge.engine.threads import HandlerThreads
+from bridge.hooks import Hooks
 from bridge.live_config import LiveConfig
 from bridge.model import Task
 from bridge.registry import Registry
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
-from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +27,27 @@ def default_instance_id() -> str:
 
 class Engine:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock | None = None,
-                 instance_id: str | None = None, telemetry: Telemetry | None = None) -> None:
+                 instance_id: str | None = None, telemetry: Telemetry | None = None,
+                 hooks: Hooks | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
         self.clock = clock or SystemClock()
         self.instance_id = instance_id or config.current.engine.instance_id or default_instance_id()
         self.telemetry = telemetry or Telemetry()
+        self.hooks = hooks or Hooks()
         # Sync handlers run on threads of their own queue: one queue's hung handler cannot starve the others.
         self.threads = HandlerThreads(self._threads_for,
                                       lambda queue, n: self.telemetry.metrics.threads_stuck.labels(queue).set(n))
         # Set whenever a task goes DEAD: the DLQ publisher wakes on it.
         self.dead_event = asyncio.Event()
         self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.threads,
-                                   on_dead=self._on_dead, telemetry=self.telemetry)
+                                   on_dead=self._on_dead, telemetry=self.telemetry, hooks=self.hooks)
         self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change, telemetry=self.telemetry)
-        # ordering: key — told the keys of tasks about to be redriven, so the lanes running their partitions park
-        # the keys' new records behind them instead of running them beside (set by the service: the consumer).
-        self.before_redrive: Callable[[set[str]], None] | None = None
+        # A first delivery's task: DEAD wakes the DLQ publisher, PENDING the scheduler; its outcomes, the breaker.
+        self.hooks.task_dead.subscribe(lambda queue: self.dead_event.set())
+        self.hooks.task_pending.subscribe(self.scheduler.wake)
+        self.hooks.first_attempts.subscribe(self.scheduler.breakers.record)
 
     def _threads_for(self, name: str) -> int:
         """A queue's retries (`concurrency`) plus one partition's first deliveries (`partition_concurrency`)."""
@@ -67,10 +70,10 @@ class Engine:
     async def redrive_many(self, ids: list[str], by: str | None = None, request_id: str | None = None,
                            key_id: str | None = None, max_redrives: int | None = None) -> list[str]:
         """Redrive each DEAD task of `ids` (one store transaction); returns those redriven."""
-        if self.before_redrive is not None:
-            # Before the store's transaction: once a task is PENDING, no new record of its key may start inline.
-            # A key blocked for a task that is then not redriven is unblocked by the lane's refresh.
-            self.before_redrive(await self.store.order_keys_of(ids))
+        if self.hooks.before_redrive:
+            # ordering: key — before the store's transaction: once a task is PENDING, no new record of its key may
+            # start inline (the lanes park them). A key blocked for a task not redriven is unblocked by a refresh.
+            self.hooks.before_redrive(await self.store.order_keys_of(ids))
         done = await self.store.redrive_many(ids, self.clock.now_ms(), by, request_id, key_id, max_redrives)
         for task in done:
             self.telemetry.metrics.redrives.labels(task.queue).inc()

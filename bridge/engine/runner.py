@@ -14,10 +14,10 @@ from typing import Any
 
 from bridge.config import ErrorsConfig
 from bridge.engine.policy import classify
+from bridge.engine.threads import HandlerThreads, QueuePool
 from bridge.handler_api import HandlerContext, LeaseLost, Retry
 from bridge.model import ErrorInfo, Outcome
 from bridge.registry import Handler
-from bridge.threads import HandlerThreads, QueuePool
 
 _STACK_LIMIT = 16_000
 

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bridge.aio import first_of
@@ -21,7 +21,9 @@ from bridge.config import QueueConfig
 from bridge.engine.breaker import Breaker, Breakers, State
 from bridge.engine.policy import decide
 from bridge.engine.runner import RunOutcome, Started, outcome_of, start_handler
+from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
+from bridge.hooks import Hooks
 from bridge.live_config import LiveConfig
 from bridge.model import UNROUTABLE, VERSION_MISMATCH, ErrorInfo, Outcome, Task
 from bridge.registry import Handler, Registry
@@ -29,7 +31,6 @@ from bridge.store.database import StoreError
 from bridge.store.results import Result, RunReport
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
-from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _MAX_IDLE = 1.0
@@ -55,7 +56,7 @@ class Scheduler:
     def __init__(self, store: Store, registry: Registry, config: LiveConfig, clock: Clock, instance_id: str,
                  threads: HandlerThreads | None = None, on_dead: Callable[[Task], None] | None = None,
                  rand: Callable[[], float] = random.random, telemetry: Telemetry | None = None,
-                 breakers: Breakers | None = None) -> None:
+                 breakers: Breakers | None = None, hooks: Hooks | None = None) -> None:
         self.store = store
         self.registry = registry
         self.config = config
@@ -63,6 +64,7 @@ class Scheduler:
         self.instance_id = instance_id
         self.threads = threads
         self.on_dead = on_dead
+        self.hooks = hooks or Hooks()
         self.rand = rand
         self.telemetry = telemetry or Telemetry()
         self.paused: set[str] = set()  # by an operator (admin `pause`)
@@ -74,9 +76,6 @@ class Scheduler:
         self._slot_open: dict[str, asyncio.Event] = {}  # for tasks claimed ahead, waiting for a slot (one-shot)
         self._late: set[asyncio.Task[Result]] = set()  # late successes of abandoned sync handlers, being recorded
         self._stopping = False
-        # With the changelog: waits (up to the timeout) until a task's current state is in the changelog; True
-        # once it is. A task that lost a lease before has its claim logged before its handler runs (below).
-        self.claim_logged: Callable[[Task, float], Awaitable[bool]] | None = None
 
     # ---- the loop --------------------------------------------------------------------------------------
 
@@ -267,7 +266,9 @@ class Scheduler:
             await self._finish_dead(task, report, refusal)
             return
         assert handler is not None
-        if task.lost_lease and self.claim_logged is not None and not await self._claim_logged(task, queue):
+        # With the changelog (hooks.claim_logged): a task that lost a lease before has its claim in the changelog
+        # before its handler runs again (_claim_logged).
+        if task.lost_lease and self.hooks.claim_logged is not None and not await self._claim_logged(task, queue):
             return
         ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
                              task.payload_content_type, task.headers)
@@ -306,8 +307,8 @@ class Scheduler:
         changelog before it runs, so that even on a new disk the restore sees the claim, the sweep counts the
         lapse and the pill reaches the DLQ within max_attempts crashes. Not logged within half its lease (the
         broker down?): handed back uncounted, to try again."""
-        assert self.claim_logged is not None
-        if await self.claim_logged(task, queue.lease / 2):
+        assert self.hooks.claim_logged is not None
+        if await self.hooks.claim_logged(task, queue.lease / 2):
             return True
         log.warning("its claim could not be logged in time; handed back", extra={"task_id": task.id,
                                                                                 "queue": task.queue})

@@ -7,7 +7,7 @@ sampled), `ended` / `abandoned` (what the attempt became, as a `Ran`), and `stor
 durably: one group commit). `handle_record` does all of it for one record, with the classic per-record watchdog.
 
 A record is done when its `Ran` is a success or its task is durably stored. A store that cannot be written is
-retried (with the consumer paused through `on_store_health`): the record is never dropped.
+retried (with the consumer paused through the `store_health` hook): the record is never dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,9 @@ from bridge.clock import Clock
 from bridge.config import QueueConfig
 from bridge.engine.policy import decide
 from bridge.engine.runner import SUCCESS, RunOutcome, outcome_of_exception
+from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
+from bridge.hooks import Hooks
 from bridge.live_config import LiveConfig
 from bridge.model import (
     LEASE_EXPIRED,
@@ -46,7 +48,6 @@ from bridge.registry import Handler, Registry
 from bridge.store.database import StoreError
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
-from bridge.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
@@ -102,20 +103,16 @@ class Ran:
 
 class FirstDelivery:
     def __init__(self, store: Store, config: LiveConfig, registry: Registry, clock: Clock,
-                 threads: HandlerThreads | None, worker: str, on_dead: Callable[[str], None] | None = None,
-                 on_store_health: Callable[[bool], None] | None = None, telemetry: Telemetry | None = None,
-                 on_pending: Callable[[str], None] | None = None,
-                 on_attempts: Callable[[str, list[Outcome]], None] | None = None) -> None:
+                 threads: HandlerThreads | None, worker: str, hooks: Hooks | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self.store = store
         self.config = config
         self.registry = registry
         self.clock = clock
         self.threads = threads
         self.worker = worker
-        self.on_dead = on_dead
-        self.on_store_health = on_store_health
-        self.on_pending = on_pending  # a new PENDING task: the scheduler (or a waiting remote claim) looks now
-        self.on_attempts = on_attempts  # the outcomes of a batch of first attempts (the queue's circuit breaker)
+        # Told: a task went DEAD or PENDING, the first attempts' outcomes (the breaker), the store's health.
+        self.hooks = hooks or Hooks()
         self.telemetry = telemetry or Telemetry()
         self._is_async: dict[str, bool] = {}
 
@@ -301,8 +298,8 @@ class FirstDelivery:
         attempts = [(r.outcome, r.seconds) for r in results if r.outcome is not None]
         if attempts:
             self.telemetry.metrics.attempts.add(queue_name, attempts)
-            if self.on_attempts is not None:
-                self.on_attempts(queue_name, [outcome for outcome, _ in attempts])
+            if self.hooks.first_attempts:
+                self.hooks.first_attempts(queue_name, [outcome for outcome, _ in attempts])
 
     # ---- the tasks records become --------------------------------------------------------------------
 
@@ -353,12 +350,10 @@ class FirstDelivery:
                           extra={"task_id": task.id, "queue": task.queue})
             if not failed:
                 break
-            if self.on_store_health:
-                self.on_store_health(False)
+            self.hooks.store_health(False)
             await backoff.sleep()
             waiting = [task for task, _ in failed]
-        if self.on_store_health:
-            self.on_store_health(True)
+        self.hooks.store_health(True)
         for task in tasks:
             self._stored(task)
         return [Stored(task.status, task.id) for task in tasks]
@@ -369,7 +364,6 @@ class FirstDelivery:
         if task.status == Status.DEAD:
             assert task.dead_reason is not None
             metrics.dead_of(task.queue, task.dead_reason.type)
-            if self.on_dead:
-                self.on_dead(task.queue)
-        elif self.on_pending:
-            self.on_pending(task.queue)
+            self.hooks.task_dead(task.queue)
+        else:
+            self.hooks.task_pending(task.queue)

@@ -31,9 +31,9 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from bridge.engine.threads import HandlerThreads
 from bridge.records import SourceRecord
 from bridge.source.first_delivery import Begun, FirstDelivery, Ran
-from bridge.threads import HandlerThreads
 
 TP = tuple[str, int]
 # A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
