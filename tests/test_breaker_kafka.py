@@ -121,7 +121,7 @@ async def test_a_long_outage_with_two_attempts_puts_nothing_in_the_dlq(kafka: Ka
     """max_attempts: 2 (a first delivery and one retry) and an outage of many half-open rounds: each probe is a
     real request, yet its retryable failure spends no attempt (SPEC §11). Before, every failed probe dead-lettered
     its task while the downstream was down."""
-    from bridge.engine.scheduler import PROBE_NOTE
+    from bridge.engine.recorder import PROBE_NOTE
 
     config = config_for(kafka, tmp_path, unique, downstream.port, max_attempts=2,
                         breaker={**BREAKER, "max_open_for": "1s"})

@@ -580,7 +580,7 @@ async def test_a_probe_failing_during_an_outage_spends_no_attempt(h: Harness) ->
     """max_attempts: 2 and a downstream down for many probe rounds: each probe's retryable failure is kept in the
     history with a note, its number given back; nothing dead-letters, and the task succeeds after the outage."""
     from bridge.engine.breaker import State
-    from bridge.engine.scheduler import PROBE_NOTE
+    from bridge.engine.recorder import PROBE_NOTE
 
     down = threading.Event()
     down.set()

@@ -44,9 +44,9 @@ class Engine:
         self.scheduler = Scheduler(store, registry, config, self.clock, self.instance_id, self.threads,
                                    on_dead=self._on_dead, telemetry=self.telemetry, hooks=self.hooks)
         self.sweeper = Sweeper(store, config, self.clock, on_change=self._on_change, telemetry=self.telemetry)
-        # A first delivery's task: DEAD wakes the DLQ publisher, PENDING the scheduler; its outcomes, the breaker.
+        # A first delivery's task: DEAD wakes the DLQ publisher (PENDING wakes the scheduler); its outcomes, the
+        # queue's breaker.
         self.hooks.task_dead.subscribe(lambda queue: self.dead_event.set())
-        self.hooks.task_pending.subscribe(self.scheduler.wake)
         self.hooks.first_attempts.subscribe(self.scheduler.breakers.record)
 
     def _threads_for(self, name: str) -> int:

@@ -1,34 +1,31 @@
-"""The scheduler: per-queue concurrency; claim due tasks under a lease, run the handler, record the outcome.
-
-A running attempt keeps its lease alive only through the handler's heartbeats: a keeper turns recent beats
-into lease extensions; when an extension is refused (the lease was reclaimed, a late result finished the task,
-or a timeout killed it) the handler is told to abandon (async: cancelled; sync: `heartbeat()` raises LeaseLost).
+"""The scheduler: per-queue concurrency; claim due tasks under a lease, give each a handler slot, run it
+(attempt.py), record its outcome (recorder.py). A half-open circuit breaker's probes are claimed here and end
+here, whatever way their attempt ends (SPEC §11). On a stop or a hand-over, running attempts finish within the
+grace period and the leases still held are released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from bridge.aio import first_of
 from bridge.clock import Clock
 from bridge.config import QueueConfig
+from bridge.engine.attempt import Attempts, Execution
 from bridge.engine.breaker import Breaker, Breakers, State
-from bridge.engine.policy import decide
-from bridge.engine.runner import RunOutcome, Started, outcome_of, start_handler
+from bridge.engine.recorder import Recorder
+from bridge.engine.runner import RunOutcome
 from bridge.engine.threads import HandlerThreads
-from bridge.handler_api import HandlerContext
 from bridge.hooks import Hooks
 from bridge.live_config import LiveConfig
-from bridge.model import UNROUTABLE, VERSION_MISMATCH, ErrorInfo, Outcome, Task
-from bridge.registry import Handler, Registry
+from bridge.model import Outcome, Task
+from bridge.registry import Registry
 from bridge.store.database import StoreError
-from bridge.store.results import Result, RunReport
+from bridge.store.results import Result
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
@@ -36,20 +33,6 @@ log = logging.getLogger(__name__)
 _MAX_IDLE = 1.0
 
 
-PROBE_NOTE = "a circuit-breaker probe during an outage: not counted against max_attempts"
-
-
-@dataclass
-class _Execution:
-    task: Task
-    ctx: HandlerContext | None = None
-    running: Started | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    runner: asyncio.Task[None] | None = None  # referenced here so the event loop cannot collect it
-    started: bool = False  # holds a handler slot (claimed ahead, it may wait for one first)
-    recording: bool = False  # the handler returned; its outcome is being written (it holds no slot)
-    probe: bool = False  # claimed by a half-open circuit breaker: its outcome decides the breaker
-    probe_open: bool = False  # a probe not yet ended: it holds one of the breaker's probe slots
 
 
 class Scheduler:
@@ -70,12 +53,16 @@ class Scheduler:
         self.paused: set[str] = set()  # by an operator (admin `pause`)
         self.breakers = breakers or Breakers(config, clock, self.telemetry.metrics)
         self.breakers.on_change.append(lambda transition: self.wake(transition.queue))
-        self._running: dict[str, _Execution] = {}
+        self._running: dict[str, Execution] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._slot_freed: dict[str, asyncio.Event] = {}  # for the claim loop's idle wait
         self._slot_open: dict[str, asyncio.Event] = {}  # for tasks claimed ahead, waiting for a slot (one-shot)
-        self._late: set[asyncio.Task[Result]] = set()  # late successes of abandoned sync handlers, being recorded
         self._stopping = False
+        self.hooks.task_pending.subscribe(self.wake)  # a new PENDING task, a retry due now: look again at once
+        self.recorder = Recorder(store, self.breakers, clock, instance_id, self.telemetry, self.hooks,
+                                 lambda task: self.on_dead(task) if self.on_dead is not None else None, rand)
+        self.attempts = Attempts(store, registry, config, clock, instance_id, threads, self.telemetry, self.hooks,
+                                 self.recorder)
 
     # ---- the loop --------------------------------------------------------------------------------------
 
@@ -206,18 +193,20 @@ class Scheduler:
 
     def _start(self, tasks: list[Task], probe: bool = False) -> int:
         for task in tasks:
-            execution = _Execution(task, probe=probe, probe_open=probe)
+            execution = Execution(task, probe=probe, probe_open=probe)
             self._running[task.id] = execution
             execution.runner = asyncio.create_task(self._execute(execution), name=f"rdq-task-{task.id}")
         return len(tasks)
 
     # ---- one attempt -----------------------------------------------------------------------------------
 
-    async def _execute(self, execution: _Execution) -> None:
+    async def _execute(self, execution: Execution) -> None:
         task = execution.task
         try:
             if await self._slot(execution):
-                await self._attempt(execution)
+                result = await self.attempts.run(execution)
+                if result is not None:
+                    await self._recorded(execution, result)
         except StoreError as e:
             # The outcome could not be written: the lease lapses and the sweep reclaims the task. Nothing lost.
             log.error("could not record the outcome: %s", e, extra={"task_id": task.id, "queue": task.queue})
@@ -229,7 +218,7 @@ class Scheduler:
             execution.done.set()
             self._free_slot(task.queue)
 
-    async def _slot(self, execution: _Execution) -> bool:
+    async def _slot(self, execution: Execution) -> bool:
         """Wait for a handler slot. A task claimed ahead waits at most half its lease (its lease runs meanwhile)
         and not through a stop: then it is handed back (PENDING at once, the attempt not counted)."""
         task = execution.task
@@ -253,43 +242,24 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(opened.wait(), left)
 
-    async def _attempt(self, execution: _Execution) -> None:
+    async def _recorded(self, execution: Execution, result: RunOutcome) -> None:
+        """The handler returned: its slot is free before its outcome is written (a retry waits for a slot, not
+        for another task's fsync); a probe's verdict first (a lease lost gives none)."""
         task = execution.task
-        queue = self.config.queue(task.queue)
-        started = self.clock.now_ms()
-        handler = self.registry.get(task.handler_ref)
-        if queue is None:
-            return  # queue removed by a reload: leave the lease to lapse; the task is kept
-        refusal = self._refusal(task, handler, queue)
-        if refusal is not None:
-            report = RunReport(started, self.clock.now_ms(), Outcome.PERMANENT_FAILURE, refusal, self.instance_id)
-            await self._finish_dead(task, report, refusal)
-            return
-        assert handler is not None
-        # With the changelog (hooks.claim_logged): a task that lost a lease before has its claim in the changelog
-        # before its handler runs again (_claim_logged).
-        if task.lost_lease and self.hooks.claim_logged is not None and not await self._claim_logged(task, queue):
-            return
-        ctx = HandlerContext(task.id, task.queue, task.attempt_count, task.redrive_count, task.payload,
-                             task.payload_content_type, task.headers)
-        execution.ctx = ctx
-        with self.telemetry.attempt_span(task, task.queue, task.attempt_count, task.headers) as span:
-            execution.running = start_handler(handler, ctx, self.threads)
-            keeper = asyncio.create_task(self._keep_lease(task, ctx, queue, execution.running, started))
-            try:
-                await asyncio.wait([execution.running.future])
-            finally:
-                keeper.cancel()
-            result = outcome_of(execution.running.future, queue.errors)
-            self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None)
-        self.telemetry.metrics.attempt(task.queue, result.outcome, (self.clock.now_ms() - started) / 1000)
         execution.recording = True
         self._free_slot(task.queue)
-        if execution.probe:  # its verdict first: a lease lost gives none, and the slot is freed either way
+        if execution.probe:
             self._end_probe(execution, None if result.lease_lost else result.outcome)
-        await self.record(task, queue, started, result, probe=execution.probe)
+        queue = self.config.queue(task.queue)
+        if queue is not None:
+            await self.recorder.record(task, queue, execution.started_at, result, probe=execution.probe)
 
-    def _end_probe(self, execution: _Execution, outcome: Outcome | None) -> None:
+    async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
+                     worker: str | None = None, probe: bool = False) -> Result:
+        """Record an attempt's outcome under the task's lease token (remote workers' results come here too)."""
+        return await self.recorder.record(task, queue, started, result, worker, probe)
+
+    def _end_probe(self, execution: Execution, outcome: Outcome | None) -> None:
         """Every way a probe ends ends it once: with its outcome (success closes, a retryable failure re-opens),
         or with none (lease lost, handed back, cancelled, hand-over) — then its slot goes to the next probe."""
         if not execution.probe_open:
@@ -301,129 +271,6 @@ class Scheduler:
             self.wake(execution.task.queue)
         else:
             self.breakers.report(breaker.probe_result(outcome))
-
-    async def _claim_logged(self, task: Task, queue: QueueConfig) -> bool:
-        """A task that already lost a lease may be a poison pill that kills the process: its claim goes into the
-        changelog before it runs, so that even on a new disk the restore sees the claim, the sweep counts the
-        lapse and the pill reaches the DLQ within max_attempts crashes. Not logged within half its lease (the
-        broker down?): handed back uncounted, to try again."""
-        assert self.hooks.claim_logged is not None
-        if await self.hooks.claim_logged(task, queue.lease / 2):
-            return True
-        log.warning("its claim could not be logged in time; handed back", extra={"task_id": task.id,
-                                                                                "queue": task.queue})
-        await self.store.release(task.id, task.lease_token, self.clock.now_ms())
-        return False
-
-    def _refusal(self, task: Task, handler: Handler | None, queue: QueueConfig) -> ErrorInfo | None:
-        """Why the task must not run here at all: no such handler, or a version pin this handler does not meet.
-
-        A pin is met only by a handler registered with that very version: one registered without a version
-        cannot prove it runs the pinned code, so under `dead-letter` it is a mismatch too (`run-latest` runs it).
-        A task without a pin runs on whatever is registered."""
-        if handler is None:
-            return ErrorInfo(UNROUTABLE, f"no handler registered as {task.handler_ref!r} on {self.instance_id}")
-        if (task.handler_version is not None and task.handler_version != handler.version
-                and queue.version_mismatch == "dead-letter"):
-            registered = handler.version or "registered without a version"
-            return ErrorInfo(VERSION_MISMATCH, f"task pinned to {task.handler_ref}@{task.handler_version}, "
-                                               f"registered version is {registered}")
-        return None
-
-    async def _keep_lease(self, task: Task, ctx: HandlerContext, queue: QueueConfig, running: Started,
-                          started: int) -> None:
-        """Every heartbeat interval: extend the lease if the handler beat since the last check. A handler that
-        stays silent until its lease lapses is abandoned too: its slot must not be held by a hung handler."""
-        checked = ctx.last_beat
-        expires = task.lease_expires_at or self.clock.now_ms() + int(queue.lease * 1000)
-        while not running.future.done():
-            await asyncio.sleep(queue.heartbeat_interval)
-            now = self.clock.now_ms()
-            if ctx.last_beat == checked:
-                if now < expires:
-                    continue
-                lost = True  # silent past its lease: the sweep reclaims the task (LEASE_EXPIRED)
-            else:
-                checked = ctx.last_beat
-                lost = not await self.store.extend_lease(task.id, task.lease_token, queue.lease, now)
-                expires = now + int(queue.lease * 1000)
-            if lost:
-                log.warning("lease lost; abandoning the attempt", extra={"task_id": task.id, "queue": task.queue})
-                ctx.lose_lease()  # a sync handler learns at its next heartbeat()
-                running.abandon(functools.partial(asyncio.get_running_loop().call_soon_threadsafe,
-                                                  self._late_success, task, started))
-                return
-
-    def _late_success(self, task: Task, started: int) -> None:
-        """An abandoned sync handler returned after all: offer its success to the store under its own token.
-        Accepted while the task is not terminal (first result wins, SPEC §4.5); refused otherwise."""
-        queue = self.config.queue(task.queue)
-        if queue is None:
-            return
-        recording = asyncio.ensure_future(self.record(task, queue, started, RunOutcome(Outcome.SUCCESS)))
-        self._late.add(recording)
-        recording.add_done_callback(self._late_recorded)
-
-    def _late_recorded(self, recording: asyncio.Task[Result]) -> None:
-        self._late.discard(recording)
-        if not recording.cancelled() and recording.exception() is not None:
-            log.error("could not record a late success: %s", recording.exception())
-
-    async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
-                     worker: str | None = None, probe: bool = False) -> Result:
-        """Record an attempt's outcome under the task's lease token (also for remote workers' results)."""
-        if not result.lease_lost and not probe:  # an abandoned attempt's outcome says nothing of the downstream
-            self.breakers.record(task.queue, [result.outcome])
-        now = self.clock.now_ms()
-        # A probe's retryable failure is the outage's, not the task's (SPEC §11: no attempt is spent): kept in the
-        # history, not counted against max_attempts (the task's next attempt has the same number).
-        spared = probe and result.outcome == Outcome.RETRYABLE_FAILURE and not result.lease_lost
-        note = PROBE_NOTE if spared else self._breaker_note(task, started)
-        report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id, note=note)
-        extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
-        if result.ok:
-            outcome = await self.store.record_success(task.id, task.lease_token, task.attempt_count, report)
-            if outcome.accepted:
-                self.telemetry.metrics.time_to_success.labels(task.queue).observe((now - task.created_at) / 1000)
-            if outcome.late or not outcome.accepted:
-                self.telemetry.metrics.late_successes.labels(task.queue, str(outcome.accepted).lower()).inc()
-        elif result.lease_lost and result.outcome != Outcome.SUCCESS:
-            return Result(False)  # abandoned after losing the lease: the task's holder now records its outcome
-        else:
-            counted = task.attempt_count - 1 if spared else task.attempt_count
-            decision = decide(queue, result.outcome, counted, result.requested_delay, self.rand)
-            if decision.retry_after is None:
-                assert result.error is not None
-                outcome = await self._finish_dead(task, report, result.error)
-            else:
-                next_at = now + int(decision.retry_after * 1000)
-                outcome = await self.store.record_retry(task.id, task.lease_token, report, next_at, counted=not spared)
-                if outcome.accepted and decision.retry_after == 0:
-                    self.wake(task.queue)
-        if not outcome.accepted:
-            log.info("result refused: the task was re-queued or finished elsewhere", extra=extra)
-        elif task.order_key is not None:
-            self.wake(task.queue)  # its end may have released the next parked record of its key (SPEC §12)
-        return outcome
-
-    def _breaker_note(self, task: Task, started: int) -> str | None:
-        """How long this task, due since `next_attempt_at`, waited for its queue's breaker before this attempt
-        (SPEC §11: the history tells "failed 5 times" from "failed during the outage")."""
-        due = task.next_attempt_at
-        waited = self.breakers.of(task.queue).waited_ms(due, started) if due is not None else 0
-        if waited < 1000:
-            return None
-        return f"waited {waited / 1000:.1f}s for the queue's circuit breaker (held during a downstream outage)"
-
-    async def _finish_dead(self, task: Task, report: RunReport, reason: ErrorInfo) -> Result:
-        result = await self.store.record_dead(task.id, task.lease_token, report, reason)
-        if result.accepted:
-            self.telemetry.metrics.dead_of(task.queue, reason.type)
-            log.warning("task dead: %s: %s", reason.type, reason.message[:300],
-                        extra={"task_id": task.id, "queue": task.queue})
-            if self.on_dead is not None:
-                self.on_dead(task)
-        return result
 
     # ---- graceful stop (SPEC §4.9) ---------------------------------------------------------------------
 
@@ -457,7 +304,7 @@ class Scheduler:
         left = [e for e in self._running.values() if e.task.home in homes]
         return await asyncio.shield(self._release(left))
 
-    async def _release(self, executions: list[_Execution]) -> int:
+    async def _release(self, executions: list[Execution]) -> int:
         released = 0
         for execution in executions:
             if execution.ctx is not None:
