@@ -20,71 +20,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from bridge.aio import Backoff, OneThread
 from bridge.changelog.local import Entry, Home, LocalIndex
+from bridge.changelog.transaction import Delivered, DeliveredRecord, DlqItem, Fenced, Round
 from bridge.clock import Clock
 from bridge.store.database import StoreError
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
-_TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
-_COMMIT_PATIENCE = 300.0  # a commit resumed this long unacknowledged: the producer is replaced
 _ABORT_TRIES = 5  # aborts failed in a row: the producer is replaced
 _ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: the producer is replaced
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
-_COLLATERAL = {KafkaError._MSG_TIMED_OUT, KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
-Delivered = Callable[[Any, "DeliveredRecord | None"], None]
-
-
-@dataclass(frozen=True)
-class DeliveredRecord:
-    """What a DLQ publisher is told once its record's transaction committed (the shape of a Kafka message)."""
-
-    _topic: str
-    _partition: int
-    _offset: int
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-
-@dataclass
-class _DlqItem:
-    task_id: str
-    home: Home | None
-    topic: str
-    key: bytes | None
-    value: bytes
-    headers: list[tuple[str, bytes | None]]
-    on_delivery: Delivered
-    delivered: tuple[int, int] | None = None  # (partition, offset) once the broker took it
-    error: str | None = None
-    collateral: bool = False
-
-
-@dataclass
-class _Round:
-    dlq: list[_DlqItem] = field(default_factory=list)
-    entries: list[Entry] = field(default_factory=list)
-    dlq_entries: list[Entry] = field(default_factory=list)
-    offsets: dict[Home, int] = field(default_factory=dict)
-
-
 class ChangelogWriter:
     def __init__(self, local: LocalIndex, topics: dict[str, str], producer_factory: Callable[[], Producer],
                  offsets: Callable[[], dict[Home, int]], group_metadata: Callable[[], Any | None], clock: Clock,
@@ -97,12 +50,11 @@ class ChangelogWriter:
         self.telemetry = telemetry or Telemetry()
         self._producer_factory = producer_factory
         self._offsets = offsets
-        self._group_metadata = group_metadata
-        self._writable = writable  # None: every home in the outbox (tests of the writer alone)
+        self._fence = Fenced(topics, group_metadata, writable)
         self._producer: Producer | None = None
         self._thread = OneThread("rdq-changelog")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._dlq: list[_DlqItem] = []
+        self._dlq: list[DlqItem] = []
         self._waiters: dict[str, list[Callable[[], None]]] = {}
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
@@ -150,7 +102,7 @@ class ChangelogWriter:
     def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
                     headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
         """Queue a DLQ record for the next transaction; `on_delivery(err, msg)` once it committed (or failed)."""
-        self._dlq.append(_DlqItem(task_id, home, topic, key, value, headers, on_delivery))
+        self._dlq.append(DlqItem(task_id, home, topic, key, value, headers, on_delivery))
         self._kick.set()
 
     async def flush(self) -> bool:
@@ -209,10 +161,10 @@ class ChangelogWriter:
         from its next restore of that partition; until written, they stay in this file."""
         total = 0
         while entries := await self.local.premigration(_BATCH):
-            work = _Round(entries=entries)
+            work = Round(entries=entries)
             try:
-                await self._call(self._begin_and_send_dlq, [])
-                await self._call(self._send_and_commit, work, True)
+                await self._call(self._fence.begin_and_send_dlq, self._producer, [])
+                await self._call(self._fence.send_and_commit, self._producer, work, True)
             except KafkaException as e:
                 await self._abort_or_restart(e.args[0] if e.args else e)
                 log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
@@ -246,17 +198,17 @@ class ChangelogWriter:
         if not dlq and not entries and offsets == self._last_offsets:
             await self._resolve_waiters(set())
             return True
-        work = _Round(dlq, entries, offsets=offsets)
+        work = Round(dlq, entries, offsets=offsets)
         ok = await self._transaction(work)
         if len(entries) >= _BATCH or self._dlq:
             self._kick.set()  # more waits: the next round at once
         return ok
 
-    async def _transaction(self, work: _Round) -> bool:
+    async def _transaction(self, work: Round) -> bool:
         assert self._producer is not None
         began = time.monotonic()
         try:
-            await self._call(self._begin_and_send_dlq, work.dlq)
+            await self._call(self._fence.begin_and_send_dlq, self._producer, work.dlq)
             for item in work.dlq:
                 if item.delivered is not None and item.home is not None and item.home[0] in self.topics:
                     entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
@@ -267,7 +219,7 @@ class ChangelogWriter:
                         raise KafkaException(KafkaError(KafkaError._FENCED, f"task {item.task_id} is no longer "
                                                                             "here: its partition moved"))
                     work.dlq_entries.append(entry)
-            await self._call(self._send_and_commit, work)
+            await self._call(self._fence.send_and_commit, self._producer, work)
         except KafkaException as e:
             refused = [i for i in work.dlq if i.error is not None and not i.collateral]
             if refused:
@@ -285,82 +237,7 @@ class ChangelogWriter:
         await self._committed(work)
         return True
 
-    def _begin_and_send_dlq(self, items: list[_DlqItem]) -> None:
-        assert self._producer is not None
-        self._producer.begin_transaction()
-        for item in items:
-            self._producer.produce(item.topic, value=item.value, key=item.key, headers=item.headers,  # type: ignore[arg-type]
-                                   on_delivery=partial(self._dlq_report, item))
-        if items:
-            self._producer.flush()  # their offsets go into the tasks' "published" changelog records
-            failed = [i for i in items if i.error is not None]
-            if failed:
-                raise KafkaException(KafkaError(KafkaError._FAIL, f"{len(failed)} DLQ records were refused: "
-                                                                   f"{failed[0].error}"))
-
-    @staticmethod
-    def _dlq_report(item: _DlqItem, err: Any, msg: Any) -> None:
-        if err is not None:
-            item.error = str(err)
-            # Failed only because another record of its batch was refused: not this record's fault.
-            item.collateral = err.code() in _COLLATERAL
-        else:
-            item.delivered = (msg.partition(), msg.offset())
-
-    def _send_and_commit(self, work: _Round, unfenced: bool = False) -> None:
-        """`unfenced`: the one-time push of a store from before the changelog (new task ids, no offsets)."""
-        assert self._producer is not None
-        metadata = None if unfenced else self._group_metadata()
-        writable = self._writable() if self._writable is not None else None
-        homed = [e for e in [*work.dlq_entries, *work.entries] if e.home[0] in self.topics]
-        homes = {e.home for e in homed} | {i.home for i in work.dlq if i.home is not None and i.home[0] in self.topics}
-        if homes and not unfenced and (metadata is None or not work.offsets):
-            # Never unfenced: without the group metadata of an assignment (and offsets to send with it) nothing
-            # proves these partitions are still ours. A DLQ record of a homed task too, even when its changelog
-            # record is not in the round.
-            raise KafkaException(KafkaError(KafkaError._FENCED, "no current assignment to fence this write"))
-        if writable is not None and not unfenced and any(home not in writable for home in homes):
-            # A partition lost since this round read its outbox: not one record of this round goes out.
-            raise KafkaException(KafkaError(KafkaError._FENCED, "a partition of this round is no longer ours"))
-        for entry in homed:  # a task whose topic has no changelog here stays in its file only
-            self._producer.produce(self.topics[entry.home[0]], key=entry.task_id.encode(), value=entry.value,
-                                   partition=entry.home[1])
-        began = time.monotonic()
-        if work.offsets and metadata is not None:
-            offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
-            self._producer.send_offsets_to_transaction(offsets, metadata, _TIMEOUT)
-        sent = time.monotonic()
-        self._commit()
-        if time.monotonic() - began > 1.0:
-            log.warning("slow changelog transaction: offsets %.2fs, commit %.2fs", sent - began,
-                        time.monotonic() - sent)
-
-    def _commit(self) -> None:
-        """librdkafka's rules: a commit that times out (or meets another retriable error) goes on in the
-        background, and calling `commit_transaction` again resumes it; it is never aborted — the broker may have
-        committed it, and its DLQ records would be dead-lettered again (and librdkafka refuses the abort anyway:
-        "conflicting commit_transaction API call", every round, for ever). Only an error that requires abort is
-        aborted (by the caller); past `_COMMIT_PATIENCE` the producer is replaced, whose `init_transactions`
-        waits for the old transaction's end."""
-        assert self._producer is not None
-        began = time.monotonic()
-        while True:
-            try:
-                self._producer.commit_transaction(_TIMEOUT)
-                return
-            except KafkaException as e:
-                error = e.args[0] if e.args else None
-                if not isinstance(error, KafkaError) or not error.retriable() or error.txn_requires_abort():
-                    raise
-                waited = time.monotonic() - began
-                if waited > _COMMIT_PATIENCE:
-                    # Fatal for this producer: replaced, its transaction's outcome is the broker's.
-                    raise KafkaException(KafkaError(KafkaError._FATAL, f"a commit unacknowledged for {waited:.0f} s: "
-                                                                       f"{error}", fatal=True)) from e
-                log.warning("changelog commit not acknowledged yet after %.0f s (resumed, not aborted: the broker "
-                            "may have committed it): %s", waited, error)
-
-    async def _committed(self, work: _Round) -> None:
+    async def _committed(self, work: Round) -> None:
         self.stats["transactions"] += 1
         self.stats["records"] += len(work.entries) + len(work.dlq_entries) + len(work.dlq)
         self.telemetry.metrics.changelog_commits.labels("committed").inc()
@@ -390,7 +267,7 @@ class ChangelogWriter:
                 if backoff.delay >= 5.0:
                     return
 
-    async def _failed(self, work: _Round, error: Any) -> None:
+    async def _failed(self, work: Round, error: Any) -> None:
         self.healthy = False
         code = error.code() if isinstance(error, KafkaError) else None
         fenced = code in _FENCED
