@@ -14,11 +14,8 @@ offset order, until none is left.
   `queue_timeout`, is abandoned — its failure reported, its runner let go (a sync one's thread is counted stuck
   until it returns), a new runner takes the records after it.
 - Results reach the loop in batches (`on_results`), so the failures of a batch are stored in one group commit.
-- `ordering: key` (SPEC §12): at most one record of a key runs at a time, in offset order; the others of that key
-  wait aside (`_waiting`) and come back to the front when it ends. A key whose record became a task is *blocked*:
-  its later records are parked (stored behind the task, not run). A key is unblocked only when the store says it
-  has no open task left, no task of it is on its way into the store, and none was reported since the store was
-  asked (`refresh_keys`) — a key that looked free too early would run a record ahead of its task.
+- `ordering: key` (SPEC §12): at most one record of a key runs at a time, in offset order; a key whose record
+  became a task is blocked, its later records parked (lane_keys.py).
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from concurrent.futures import Future
 from bridge.engine.threads import HandlerThreads
 from bridge.records import SourceRecord
 from bridge.source.first_delivery import Begun, FirstDelivery, Ran
+from bridge.source.lane_keys import LaneKeys
 
 TP = tuple[str, int]
 # A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
@@ -87,7 +85,6 @@ class Lane:
         self.limit = max(1, limit)
         self.ready: deque[SourceRecord] = deque()
         self.ready_bytes = 0  # payload bytes of `ready` and set aside (the consumer pauses past its share)
-        self.set_aside = 0  # ordering: key — records of a running key waiting aside (in `_waiting`)
         # Set by the consumer (store unwritable, restoring, queue paused or at max_open_tasks): runners take no
         # more records; those running finish.
         self.held = False
@@ -108,13 +105,10 @@ class Lane:
         self._starting = 0
         self._results: list[Ran] = []
         self._wake_pending = False
-        # ordering: key. Keys are the record key bytes (a lane is one partition). All under `_lock`.
+        # ordering: key. Keys are the record key bytes (a lane is one partition). Under `_lock`.
         queue = delivery.config.queue(queue_name)
         self.ordered = queue is not None and queue.ordering == "key" and not queue.remote
-        self._running_keys: set[bytes] = set()
-        self._waiting: dict[bytes, deque[SourceRecord]] = {}
-        # blocked key → [generation (+1 at each task reported for it), tasks reported but not yet stored]
-        self._blocked: dict[bytes, list[int]] = {}
+        self._keys = LaneKeys()
         self.keys_loaded = not self.ordered  # the consumer loads the partition's open keys before its first records
 
     # ---- on the loop ---------------------------------------------------------------------------------------
@@ -141,6 +135,11 @@ class Lane:
         self._start_runners(1)
 
     @property
+    def set_aside(self) -> int:
+        """ordering: key — records of a running key waiting aside."""
+        return self._keys.set_aside
+
+    @property
     def busy(self) -> bool:
         """Runners running or results not yet handed over."""
         return bool(self._runners or self._starting or self._results)
@@ -159,8 +158,8 @@ class Lane:
         self.held = self.released = True
         with self._lock:
             self.ready.clear()
-            self._waiting.clear()
-            self.ready_bytes = self.set_aside = 0
+            self._keys.clear()
+            self.ready_bytes = 0
             for runner in self._runners:
                 runner.abandoned = True  # it reports what it is running, then takes nothing more
 
@@ -231,99 +230,47 @@ class Lane:
             return record
 
     def _next_in_order(self, runner: Runner) -> SourceRecord | None:
-        """(Under the lock.) The first ready record whose key is not running; those of running keys wait aside, in
-        order. A record of a blocked key is taken to be parked (`runner.park`)."""
-        while self.ready:
-            record = self.ready.popleft()
-            key = record.key
-            if key is not None and (key in self._running_keys or self._storing(key)):
-                self._waiting.setdefault(key, deque()).append(record)
-                self.set_aside += 1
-                continue
-            self.ready_bytes -= len(record.value)
-            if key is not None:
-                self._running_keys.add(key)  # parks of a key are serialized too: the store decides in order
-            runner.park = key is not None and key in self._blocked
-            return record
-        self._runners.discard(runner)
-        return None
+        """(Under the lock.) The first ready record whose key is not running (`runner.park`: its key is blocked)."""
+        found = self._keys.next_ready(self.ready)
+        if found is None:
+            self._runners.discard(runner)
+            return None
+        record, runner.park = found
+        self.ready_bytes -= len(record.value)
+        return record
 
-    # ---- ordering: key ------------------------------------------------------------------------------------
+    # ---- ordering: key (the state: lane_keys.py) -----------------------------------------------------------
 
     def load_keys(self, keys: set[bytes]) -> None:
         """The keys of this partition that have an open task in the store (at assignment): blocked from the
         start."""
         with self._lock:
-            for key in keys:
-                self._blocked.setdefault(key, [0, 0])
+            self._keys.load(keys)
             self.keys_loaded = True
 
     def block(self, key: bytes) -> None:
         """A task of this key is about to become due outside the lane (a redrive): its later records park behind
         it. A new generation, so a refresh that asked the store before the task was due cannot unblock it."""
         with self._lock:
-            self._blocked.setdefault(key, [0, 0])[0] += 1
+            self._keys.block(key)
 
     def blocked_keys(self) -> dict[bytes, int]:
         """The blocked keys with nothing on its way into the store, and their generation (for `unblock`)."""
         with self._lock:
-            return {key: gen for key, (gen, pending) in self._blocked.items() if pending == 0}
+            return self._keys.blocked_keys()
 
     def unblock(self, free: dict[bytes, int]) -> None:
         """Keys the store found with no open task, as of `blocked_keys()` before the store was asked: unblocked if
         no task of theirs was reported since."""
         with self._lock:
-            for key, gen in free.items():
-                entry = self._blocked.get(key)
-                if entry is not None and entry[0] == gen and entry[1] == 0:
-                    del self._blocked[key]
-
-    def _storing(self, key: bytes) -> bool:
-        """(Under the lock.) A task of this key is on its way into the store: the key's next record waits for it,
-        so the store decides each record of a key in offset order. (Parked behind a head whose insert failed and
-        is retried, a later record was stored PENDING and ran beside it; or it was stored first, and the retried
-        earlier one then looked like a redelivery and was dropped.)"""
-        entry = self._blocked.get(key)
-        return entry is not None and entry[1] > 0
+            self._keys.unblock(free)
 
     def stored(self, keys: list[bytes | None]) -> None:
         """Tasks reported for these keys are in the store now (or were put back to run again)."""
-        back = False
         with self._lock:
-            for key in keys:
-                entry = self._blocked.get(key) if key is not None else None
-                if key is None or entry is None or entry[1] == 0:
-                    continue
-                entry[1] -= 1
-                if entry[1] == 0 and key not in self._running_keys:
-                    back = self._next_of(key) or back
+            back = self._keys.stored(keys, self.ready)
         if back:
             self.dispatch()
-
-    def _next_of(self, key: bytes) -> bool:
-        """(Under the lock.) The key's next waiting record back to the front; False when none waits."""
-        waiting = self._waiting.get(key)
-        if not waiting:
-            return False
-        self.ready.appendleft(waiting.popleft())
-        self.set_aside -= 1
-        if not waiting:
-            del self._waiting[key]
-        return True
-
-    def _key_ended(self, ran: Ran) -> bool:
-        """(Under the lock.) A record of an ordered lane ended: its key is free to run its next record, blocked if
-        the record became a task. True when a waiting record came back to the front."""
-        key = ran.record.key
-        if key is None:
-            return False
-        self._running_keys.discard(key)
-        if ran.task is not None:
-            entry = self._blocked.setdefault(key, [0, 0])
-            entry[0] += 1
-            entry[1] += 1
-            return False  # its next record waits until this task is stored (`stored`)
-        return self._next_of(key)
 
     def _park(self, record: SourceRecord) -> Ran:
         queue = self.delivery.config.queue(self.queue_name)
@@ -336,7 +283,7 @@ class Lane:
             self._on_failure(self, ran)
         with self._lock:
             self._results.append(ran)
-            back = self.ordered and self._key_ended(ran)
+            back = self.ordered and self._keys.ended(ran, self.ready)
             wake = not self._wake_pending
             self._wake_pending = True
             spawn = 0

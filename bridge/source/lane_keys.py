@@ -1,0 +1,106 @@
+"""ordering: key (SPEC §12) inside a lane: at most one record of a key runs at a time, in offset order; the others
+of that key wait aside and come back to the front when it ends. A key whose record became a task is *blocked*:
+its later records are parked (stored behind the task, not run). A key is unblocked only when the store says it
+has no open task left, no task of it is on its way into the store, and none was reported since the store was
+asked (`unblock` with the generation `blocked_keys` gave) — a key that looked free too early would run a record
+ahead of its task.
+
+Every method runs under the lane's lock (the lane's runners are threads); `ready` is the lane's deque.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from bridge.records import SourceRecord
+from bridge.source.first_delivery import Ran
+
+
+class LaneKeys:
+    def __init__(self) -> None:
+        self.running: set[bytes] = set()
+        self.waiting: dict[bytes, deque[SourceRecord]] = {}
+        # blocked key → [generation (+1 at each task reported for it), tasks reported but not yet stored]
+        self.blocked: dict[bytes, list[int]] = {}
+        self.set_aside = 0  # records of a running key waiting aside
+
+    def clear(self) -> None:
+        self.waiting.clear()
+        self.set_aside = 0
+
+    def next_ready(self, ready: deque[SourceRecord]) -> tuple[SourceRecord, bool] | None:
+        """The first ready record whose key is not running, and whether it is to be parked (its key is
+        blocked); those of running keys wait aside, in order. The record's key runs from now."""
+        while ready:
+            record = ready.popleft()
+            key = record.key
+            if key is not None and (key in self.running or self.storing(key)):
+                self.waiting.setdefault(key, deque()).append(record)
+                self.set_aside += 1
+                continue
+            if key is not None:
+                self.running.add(key)  # parks of a key are serialized too: the store decides in order
+            return record, key is not None and key in self.blocked
+        return None
+
+    def load(self, keys: set[bytes]) -> None:
+        for key in keys:
+            self.blocked.setdefault(key, [0, 0])
+
+    def block(self, key: bytes) -> None:
+        self.blocked.setdefault(key, [0, 0])[0] += 1
+
+    def blocked_keys(self) -> dict[bytes, int]:
+        return {key: gen for key, (gen, pending) in self.blocked.items() if pending == 0}
+
+    def unblock(self, free: dict[bytes, int]) -> None:
+        for key, gen in free.items():
+            entry = self.blocked.get(key)
+            if entry is not None and entry[0] == gen and entry[1] == 0:
+                del self.blocked[key]
+
+    def storing(self, key: bytes) -> bool:
+        """A task of this key is on its way into the store: the key's next record waits for it, so the store
+        decides each record of a key in offset order. (Parked behind a head whose insert failed and is retried, a
+        later record was stored PENDING and ran beside it; or it was stored first, and the retried earlier one
+        then looked like a redelivery and was dropped.)"""
+        entry = self.blocked.get(key)
+        return entry is not None and entry[1] > 0
+
+    def stored(self, keys: list[bytes | None], ready: deque[SourceRecord]) -> bool:
+        """Tasks reported for these keys are in the store now (or were put back to run again). True when a
+        waiting record came back to the front."""
+        back = False
+        for key in keys:
+            entry = self.blocked.get(key) if key is not None else None
+            if key is None or entry is None or entry[1] == 0:
+                continue
+            entry[1] -= 1
+            if entry[1] == 0 and key not in self.running:
+                back = self.next_of(key, ready) or back
+        return back
+
+    def next_of(self, key: bytes, ready: deque[SourceRecord]) -> bool:
+        """The key's next waiting record back to the front; False when none waits."""
+        waiting = self.waiting.get(key)
+        if not waiting:
+            return False
+        ready.appendleft(waiting.popleft())
+        self.set_aside -= 1
+        if not waiting:
+            del self.waiting[key]
+        return True
+
+    def ended(self, ran: Ran, ready: deque[SourceRecord]) -> bool:
+        """A record ended: its key is free to run its next record, blocked if the record became a task. True
+        when a waiting record came back to the front."""
+        key = ran.record.key
+        if key is None:
+            return False
+        self.running.discard(key)
+        if ran.task is not None:
+            entry = self.blocked.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
+            return False  # its next record waits until this task is stored (`stored`)
+        return self.next_of(key, ready)
