@@ -191,33 +191,7 @@ class LocalIndex:
         result = RestoreBatch()
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
-            last: dict[str, Restored | None] = {}
-            held: dict[str, tuple[int, str]] = {}  # task id → (offset, why) of its unreadable last record
-            raw: dict[str, tuple[int, bytes | None, bytes]] = {}  # task id → its last readable record, as read
-            for offset, key, value in records:
-                if value is None:
-                    task_id = (key or b"").decode("utf-8", "replace")
-                    last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
-                    last[task_id] = None
-                    held.pop(task_id, None)
-                    result.tombstones += 1
-                    continue
-                try:
-                    restored = decode(key, value)
-                except Unreadable as e:
-                    self._unreadable(conn, changelog_topic, home[1], offset, key, value, str(e), now, errors)
-                    result.unreadable += 1
-                    owner = _task_id_of(key)
-                    if owner is not None:
-                        last.pop(owner, None)
-                        held[owner] = (offset, str(e))
-                    continue
-                task_id = restored.task["id"]
-                last.pop(task_id, None)
-                last[task_id] = restored
-                held.pop(task_id, None)
-                raw[task_id] = (offset, key, value)
-                result.applied += 1
+            last, held, raw = _last_records(conn, changelog_topic, home[1], records, now, errors, result)
             with _guarded(conn):
                 refused = self._replace(conn, last, seen | existing)
                 for task_id, why in refused.items():
@@ -364,3 +338,40 @@ class LocalIndex:
     async def unreadable_counts(self) -> dict[str, int]:
         rows = await self.store.db.scan(lambda c: c.execute(q("unreadable_count")).fetchall())
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}
+
+
+def _last_records(conn: sqlite3.Connection, changelog_topic: str, partition: int,
+                  records: list[tuple[int, bytes | None, bytes | None]], now: int, errors: list[str],
+                  result: RestoreBatch) -> tuple[dict[str, Restored | None], dict[str, tuple[int, str]],
+                                                 dict[str, tuple[int, bytes | None, bytes]]]:
+    """Each task's last record of the batch, in log order: its state (None: a tombstone), or — when that record
+    cannot be read — why (`held`: its task is quarantined); an unreadable record is kept in changelog_unreadable.
+    `raw`: each readable last record as read."""
+    last: dict[str, Restored | None] = {}
+    held: dict[str, tuple[int, str]] = {}  # task id → (offset, why) of its unreadable last record
+    raw: dict[str, tuple[int, bytes | None, bytes]] = {}
+    for offset, key, value in records:
+        if value is None:
+            task_id = (key or b"").decode("utf-8", "replace")
+            last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
+            last[task_id] = None
+            held.pop(task_id, None)
+            result.tombstones += 1
+            continue
+        try:
+            restored = decode(key, value)
+        except Unreadable as e:
+            LocalIndex._unreadable(conn, changelog_topic, partition, offset, key, value, str(e), now, errors)
+            result.unreadable += 1
+            owner = _task_id_of(key)
+            if owner is not None:
+                last.pop(owner, None)
+                held[owner] = (offset, str(e))
+            continue
+        task_id = restored.task["id"]
+        last.pop(task_id, None)
+        last[task_id] = restored
+        held.pop(task_id, None)
+        raw[task_id] = (offset, key, value)
+        result.applied += 1
+    return last, held, raw
