@@ -1,2 +1,2 @@
-"""Where a source record enters: the consumer's poll loop, its per-partition lanes (per-key order),
-the first delivery of each record, and which offset may be committed."""
+"""Where a source record enters: the poll loop, one state per assigned partition (its phase, lane, offsets) and
+who changes it (ownership, restores, back-pressure), the in-flight journal, and the first delivery of each record."""
