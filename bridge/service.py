@@ -16,7 +16,8 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from bridge.admin.loop import AdminCommands, AdminLoop
+from bridge.admin.commands import AdminCommands
+from bridge.admin.loop import AdminLoop
 from bridge.aio import Backoff
 from bridge.changelog.local import LocalIndex
 from bridge.changelog.restore import Restorer

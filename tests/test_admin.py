@@ -513,7 +513,8 @@ def test_correctly_signed_garbage_is_refused_clearly_and_the_loop_serves_on(
 
 def test_replay_protection_holds_across_a_restart(tmp_path: Path) -> None:
     """The same signed bytes after the bridge restarted on the same store: refused as Replayed, not run again."""
-    from bridge.admin.loop import AdminCommands, AdminLoop
+    from bridge.admin.commands import AdminCommands
+    from bridge.admin.loop import AdminLoop
     from bridge.engine.core import Engine
     from bridge.live_config import LiveConfig
     from bridge.store.tasks import Store
@@ -547,7 +548,8 @@ def test_replay_protection_holds_across_a_restart(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def garbage_admin(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An AdminLoop with a real store; replies captured instead of produced (the loop's logic, not Kafka)."""
-    from bridge.admin.loop import AdminCommands, AdminLoop
+    from bridge.admin.commands import AdminCommands
+    from bridge.admin.loop import AdminLoop
     from bridge.engine.core import Engine
     from bridge.live_config import LiveConfig
     from bridge.store.tasks import Store

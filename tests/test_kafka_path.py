@@ -288,7 +288,7 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
     retried for ever ahead of all others, and the build error stopped the bridge (a crash loop)."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from bridge.admin.loop import AdminCommands
+    from bridge.admin.commands import AdminCommands
     from bridge.admin.protocol import StatsArgs
     from bridge.model import ErrorInfo
     from bridge.store.tasks import Store

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bridge.admin.loop import AdminCommands
+from bridge.admin.commands import AdminCommands
 from bridge.admin.protocol import Command, RedriveArgs, StatsArgs
 from bridge.engine.core import Engine
 from bridge.live_config import LiveConfig

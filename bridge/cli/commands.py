@@ -196,7 +196,7 @@ def _store_path(args: argparse.Namespace) -> Path:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from bridge.admin.loop import task_summary
+    from bridge.admin.commands import task_summary
     from bridge.cli.render import STATUSES, table, task_view
     from bridge.store.reader import StoreReader
 
