@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bridge.changelog.codec import SCHEMA, Unreadable, decode
-from bridge.changelog.local import LocalIndex
+from bridge.changelog.local import HomeState, LocalIndex
 from bridge.model import ErrorInfo, NewTask, Outcome, Status
 from bridge.store.tasks import Store
 from tests.helpers import T0, failure, report
@@ -36,7 +36,7 @@ async def scoped_store(tmp_path: Path) -> tuple[Store, LocalIndex]:
 async def test_every_transition_is_in_the_outbox_but_a_heartbeat_is_not(tmp_path: Path) -> None:
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         task = on("src", 0, 1)
         await store.submit(task)
         [entry] = await local.outbox(10)
@@ -65,7 +65,7 @@ async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path
 
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         task = on("src", 0, 1)
         await store.submit(task)
         [claimed] = await store.claim_due("q", 10, 30, "w", T0)
@@ -82,7 +82,7 @@ async def test_unlogged_names_the_tasks_whose_last_transition_is_not_acknowledge
     """What the changelog writer asks before letting a source offset pass a task (one query for the batch)."""
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         logged, waiting, moved_on = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
         for task in (logged, waiting, moved_on):
             await store.submit(task)
@@ -101,12 +101,12 @@ async def test_only_active_homes_are_claimed_logged_or_swept(tmp_path: Path) -> 
         mine, theirs, homeless = on("src", 0, 1), on("src", 1, 1), failure()
         for task in (mine, theirs, homeless):
             await store.submit(task)
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         claimed = {t.id for t in await store.claim_due("q", 10, 30, "w", T0)}
         # Partition 1 is not this instance's; a task whose topic has no changelog stays this file's to run.
         assert claimed == {mine.id, homeless.id}
         assert {e.task_id for e in await local.outbox(10)} == {mine.id}
-        await local.set_home(HOME, "leaving")  # revoked: nothing new starts, its last transitions still go out
+        await local.set_home(HOME, HomeState.LEAVING)  # revoked: nothing new starts, its last transitions still go out
         await store.record_retry(mine.id, 1, report(Outcome.RETRYABLE_FAILURE), T0)
         assert await store.claim_due("q", 10, 30, "w", T0 + 10) == []
         assert {e.task_id for e in await local.outbox(10)} == {mine.id}
@@ -117,7 +117,7 @@ async def test_only_active_homes_are_claimed_logged_or_swept(tmp_path: Path) -> 
 async def test_a_purge_leaves_a_tombstone_for_the_changelog(tmp_path: Path) -> None:
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         task = on("src", 0, 1, dead=ErrorInfo("E", "m"))
         await store.submit(task)
         await store.mark_dlq_published(await store.get(task.id), "dlq", 0, 0, T0)  # type: ignore[arg-type]
@@ -133,7 +133,7 @@ async def test_a_purge_leaves_a_tombstone_for_the_changelog(tmp_path: Path) -> N
 async def test_a_dlq_publish_in_the_changelog_transaction_is_marked_logged(tmp_path: Path) -> None:
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         task = on("src", 0, 1, dead=ErrorInfo("E", "m"))
         await store.submit(task)
         published = await local.snapshot_published(task.id, "dlq", 2, 9, T0)
@@ -150,7 +150,7 @@ async def test_a_dlq_publish_in_the_changelog_transaction_is_marked_logged(tmp_p
 async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tmp_path: Path) -> None:
     # Instance A writes the changelog.
     a, a_local = await scoped_store(tmp_path / "a")
-    await a_local.set_home(HOME, "active")
+    await a_local.set_home(HOME, HomeState.ACTIVE)
     kept, later_purged = on("src", 0, 1), on("src", 0, 2)
     for task in (kept, later_purged):
         await a.submit(task)
@@ -168,9 +168,9 @@ async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tm
         gone, never = on("src", 0, 3), on("src", 0, 4)
         await b.submit(gone)
         await b.submit(never)
-        await b_local.set_home(HOME, "active")
+        await b_local.set_home(HOME, HomeState.ACTIVE)
         await b_local.mark_logged([e for e in await b_local.outbox(10) if e.task_id in (gone.id, kept.id)])
-        await b_local.set_home(HOME, None)
+        await b_local.set_home(HOME, HomeState.NOT_OURS)
         seen: set[str] = set()
         errors: list[str] = []
         batch = await b_local.restore_batch(HOME, "cl", [*records, (99, later_purged.id.encode(), None),
@@ -184,7 +184,7 @@ async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tm
         assert restored is not None and restored.status == Status.IN_FLIGHT and restored.attempt_count == 2
         assert [x.attempt_no for x in restored.attempts] == [1]  # history as the changelog has it
         assert await b.get(never.id) is not None
-        await b_local.set_home(HOME, "active")
+        await b_local.set_home(HOME, HomeState.ACTIVE)
         assert {e.task_id for e in await b_local.outbox(10)} == {never.id}
         assert await b_local.unreadable_counts() == {"cl/0": 1}
     finally:
@@ -198,7 +198,7 @@ async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path
     record of a higher version (another owner moved the task on) still wins, and so does one at a tie."""
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         task, other, tie = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
         for t in (task, other, tie):
             await store.submit(t)
@@ -213,7 +213,7 @@ async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path
         elsewhere["version"] = 3
         elsewhere["task"].update(status="SUCCEEDED", finished_at=T0 + 5, lease_expires_at=None, lease_owner=None,
                                  lease_started_at=None, next_attempt_at=None)
-        await local.set_home(HOME, None)  # the restart: not this instance's until restored
+        await local.set_home(HOME, HomeState.NOT_OURS)  # the restart: not this instance's until restored
         records = [(0, task.id.encode(), logged[task.id].value), (1, other.id.encode(), logged[other.id].value),
                    (2, other.id.encode(), json.dumps(elsewhere).encode()),
                    (3, tie.id.encode(), by_id[tie.id].value.replace(b'"me"', b'"them"'))]  # type: ignore[union-attr]
@@ -227,7 +227,7 @@ async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path
         assert moved is not None and moved.status == Status.SUCCEEDED
         tied = await store.get(tie.id)
         assert tied is not None and tied.lease_owner == "them"
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         assert [e.task_id for e in await local.outbox(10)] == [task.id]  # the kept claim is logged now
         assert task.id in {row["id"] for row in await store.lapsed_leases(T0 + 2000)}  # the sweep counts it
     finally:
@@ -243,7 +243,7 @@ async def test_a_restore_does_not_release_the_record_parked_behind_a_held_dead_h
 
     store, local = await scoped_store(tmp_path)
     try:
-        await local.set_home(HOME, "active")
+        await local.set_home(HOME, HomeState.ACTIVE)
         key = order_key_of("src", 0, b"k")
         dead = on("src", 0, 1, dead=ErrorInfo("Boom", "no"))
         held = dataclasses.replace(dead, order_key=key, order_seq=1, order_hold=True)
@@ -254,7 +254,7 @@ async def test_a_restore_does_not_release_the_record_parked_behind_a_held_dead_h
         assert (await store.get(behind.id)).status == Status.PARKED  # type: ignore[union-attr]
         entries = await local.outbox(10)
         await local.mark_logged(entries)
-        await local.set_home(HOME, None)  # a restart: restored from the changelog, which holds both as they are
+        await local.set_home(HOME, HomeState.NOT_OURS)  # a restart: restored from the changelog
         records = {e.task_id: (i, e.task_id.encode(), e.value) for i, e in enumerate(entries)}
         seen: set[str] = set()
         existing = await local.home_ids(HOME)
@@ -285,7 +285,7 @@ def test_decode_refuses_what_it_cannot_read() -> None:
 
 async def _logged_records(store: Store, local: LocalIndex, *tasks: NewTask) -> dict[str, dict]:
     """Each task's changelog record (as JSON) after it was stored and logged here."""
-    await local.set_home(HOME, "active")
+    await local.set_home(HOME, HomeState.ACTIVE)
     for task in tasks:
         await store.submit(task)
     entries = await local.outbox(10)

@@ -10,6 +10,7 @@ import contextlib
 import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import orjson
@@ -20,6 +21,15 @@ from bridge.store.queries import q
 from bridge.store.tasks import Store
 
 Home = tuple[str, int]
+
+
+class HomeState(Enum):
+    """A partition's tasks in this file: this instance's to run (`ACTIVE`), being handed over (`LEAVING`: nothing
+    new starts, their last transitions still go out), or not this instance's (`NOT_OURS`)."""
+
+    ACTIVE = "active"
+    LEAVING = "leaving"
+    NOT_OURS = None
 
 
 @dataclass(frozen=True)
@@ -152,9 +162,11 @@ class LocalIndex:
 
         await self.store.db.write(apply)
 
-    async def set_home(self, home: Home, state: str | None) -> None:
-        """'active', 'leaving', or None: not this instance's."""
-        query = {"active": "home_activate", "leaving": "home_leaving", None: "home_deactivate"}[state]
+    async def set_home(self, home: Home, state: HomeState) -> None:
+        """What this file's copy of a partition's tasks is now (the store scopes claims, timeouts and purges by
+        it)."""
+        query = {HomeState.ACTIVE: "home_activate", HomeState.LEAVING: "home_leaving",
+                 HomeState.NOT_OURS: "home_deactivate"}[state]
         params = {"topic": home[0], "partition": home[1]}
         await self.store.db.write(lambda c: c.execute(q(query), params))
 

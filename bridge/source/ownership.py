@@ -18,6 +18,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bridge.aio import OneThread
+from bridge.changelog.local import HomeState
 from bridge.config import BridgeConfig
 from bridge.source.backpressure import Backpressure
 from bridge.source.journal import InflightJournal
@@ -175,7 +176,7 @@ class Ownership:
         owned = {s.tp for s in states} - restoring
         if self.changelog is not None:
             for tp in owned:
-                await _logged_call(self.changelog.local.set_home(tp, "leaving"))
+                await _logged_call(self.changelog.local.set_home(tp, HomeState.LEAVING))
         began = time.monotonic()
         late = await self.drain(states, self.grace_period)
         if late:
@@ -234,7 +235,7 @@ class Ownership:
                 log.info("handed over %s/%d: %s tasks flushed to the changelog and dropped here", *tp, dropped)
             else:
                 # Kept (not acted on): the next start's restore sorts it out; the changelog stays the truth.
-                await _logged_call(self.changelog.local.set_home(tp, None))
+                await _logged_call(self.changelog.local.set_home(tp, HomeState.NOT_OURS))
                 log.warning("handed over %s/%d without a final changelog flush: transitions since the last "
                             "transaction are lost to the next owner (their attempts run again)", *tp)
 
@@ -245,7 +246,7 @@ class Ownership:
         try:
             if self.changelog is not None:
                 for tp in tps:
-                    await _logged_call(self.changelog.local.set_home(tp, None))
+                    await _logged_call(self.changelog.local.set_home(tp, HomeState.NOT_OURS))
                 await self.changelog.hand_over(tps, 0.0)
                 for tp in tps:
                     await _logged_call(self.changelog.local.drop_home(tp))

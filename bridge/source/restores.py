@@ -16,7 +16,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
 from bridge.aio import Backoff, OneThread
-from bridge.changelog.local import LocalIndex
+from bridge.changelog.local import HomeState, LocalIndex
 from bridge.changelog.restore import RestoreFailed, Restorer, RestoreReport
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
@@ -155,7 +155,7 @@ class Restores:
             return
         if offset is not None:
             state.baseline = offset
-        await self.changelog.local.set_home(tp, "active")
+        await self.changelog.local.set_home(tp, HomeState.ACTIVE)
         if state.lane is not None and not state.lane.keys_loaded:
             await self.keys.load(state.lane)  # the restored tasks' keys: read now, not when the first records came
         if not current(tp):
