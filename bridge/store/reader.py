@@ -1,4 +1,4 @@
-"""`rdq store …`: read a store file directly (read-only), for when Kafka is down."""
+"""`rdq store …`: read a store file directly (read-only), for when Kafka is down — with the store's own reads."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from bridge.model import Attempt, Status, Task
+from bridge.model import Task
 from bridge.store.database import StoreError
-from bridge.store.queries import q
+from bridge.store.reads import read_counts, read_list, read_redrives, read_task
 
 
 class StoreReader:
@@ -21,25 +21,16 @@ class StoreReader:
         self.conn.row_factory = sqlite3.Row
 
     def counts(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        for queue, status, n in self.conn.execute(q("count_by_queue_status")):
-            out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
-        return out
+        return read_counts(self.conn)
 
     def get(self, task_id: str) -> Task | None:
-        row = self.conn.execute(q("get_task"), {"id": task_id}).fetchone()
-        if row is None:
-            return None
-        attempts = tuple(Attempt.from_row(r) for r in self.conn.execute(q("get_attempts"), {"id": task_id}))
-        return Task.from_row(row, attempts)
+        return read_task(self.conn, task_id)
 
     def redrives(self, task_id: str) -> list[dict[str, Any]]:
-        return [dict(r) for r in self.conn.execute(q("get_redrives"), {"id": task_id})]
+        return read_redrives(self.conn, task_id)
 
     def list(self, queue: str | None, status: str | None, limit: int, error_type: str | None = None) -> list[Task]:
-        rows = self.conn.execute(q("list_tasks"), {"queue": queue, "status": status, "limit": limit,
-                                                   "error_type": error_type})
-        return [Task.from_row(r) for r in rows]
+        return read_list(self.conn, queue, status, limit, error_type)
 
     def close(self) -> None:
         self.conn.close()

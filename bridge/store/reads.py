@@ -20,33 +20,47 @@ def attempts_of_many(conn: sqlite3.Connection, ids: list[str]) -> dict[str, tupl
     return {task_id: tuple(attempts) for task_id, attempts in found.items()}
 
 
+def read_task(conn: sqlite3.Connection, task_id: str) -> Task | None:
+    """A task with its whole history (the bridge's store, or `rdq store get` on a file)."""
+    row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
+    if row is None:
+        return None
+    return Task.from_row(row, tuple(Attempt.from_row(r) for r in conn.execute(q("get_attempts"), {"id": task_id})))
+
+
+def read_redrives(conn: sqlite3.Connection, task_id: str) -> list[dict[str, Any]]:
+    return [dict(r) for r in conn.execute(q("get_redrives"), {"id": task_id})]
+
+
+def read_list(conn: sqlite3.Connection, queue: str | None, status: str | None, limit: int,
+              error_type: str | None = None) -> list[Task]:
+    params = {"queue": queue, "status": status, "limit": limit, "error_type": error_type}
+    return [Task.from_row(r) for r in conn.execute(q("list_tasks"), params).fetchall()]
+
+
+def read_counts(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
+    """Tasks by queue and status (every status shown, 0 included)."""
+    out: dict[str, dict[str, int]] = {}
+    for queue, status, n in conn.execute(q("count_by_queue_status")).fetchall():
+        out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
+    return out
+
+
 class TaskReads:
     db: Database  # the store's parts share its database and scope (Store.__init__)
     scoped: bool
 
     # ---- reads -----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _attempts(conn: sqlite3.Connection, task_id: str) -> tuple[Attempt, ...]:
-        return tuple(Attempt.from_row(r) for r in conn.execute(q("get_attempts"), {"id": task_id}))
-
     async def get(self, task_id: str) -> Task | None:
-        def read(conn: sqlite3.Connection) -> Task | None:
-            row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
-            return None if row is None else Task.from_row(row, self._attempts(conn, task_id))
-
-        return await self.db.read(read)
+        return await self.db.read(lambda c: read_task(c, task_id))
 
     async def redrives(self, task_id: str) -> list[dict[str, Any]]:
-        rows = await self.db.read(lambda c: c.execute(q("get_redrives"), {"id": task_id}).fetchall())
-        return [dict(r) for r in rows]
+        return await self.db.read(lambda c: read_redrives(c, task_id))
 
     async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100,
                          error_type: str | None = None) -> list[Task]:
-        params = {"queue": queue, "status": status.value if status else None, "limit": limit,
-                  "error_type": error_type}
-        rows = await self.db.scan(lambda c: c.execute(q("list_tasks"), params).fetchall())
-        return [Task.from_row(r) for r in rows]
+        return await self.db.scan(lambda c: read_list(c, queue, status.value if status else None, limit, error_type))
 
     async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
                        until: int | None = None, limit: int = 1000) -> list[str]:
@@ -62,11 +76,7 @@ class TaskReads:
         return [(r[0], r[1]) for r in rows]
 
     async def counts(self) -> dict[str, dict[str, int]]:
-        rows = await self.db.scan(lambda c: c.execute(q("count_by_queue_status")).fetchall())
-        out: dict[str, dict[str, int]] = {}
-        for queue, status, n in rows:
-            out.setdefault(queue, {s.value: 0 for s in Status})[status] = n
-        return out
+        return await self.db.scan(read_counts)
 
     async def open_counts(self) -> dict[str, dict[str, int]]:
         """PENDING, IN_FLIGHT and PARKED counts by queue (the open-tasks gauge)."""
