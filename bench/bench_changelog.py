@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from bench.bench_kafka import PAYLOAD, bench_config, broker, produce, regrouped, run_bridge_until
 from bench.common import record
 from bridge.changelog.codec import encode
-from bridge.changelog.local import LocalIndex
+from bridge.changelog.local import HomeState, LocalIndex
 from bridge.changelog.restore import Restorer
 from bridge.config import BridgeConfig
 from bridge.handler_api import HandlerContext
@@ -110,7 +110,7 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5) -> None:
                             lambda: make_restore_consumer(config, "bench", committed_only=False))
         began = time.perf_counter()
         report = await restorer.restore((topic, 0))
-        await local.set_home((topic, 0), "active")
+        await local.set_home((topic, 0), HomeState.ACTIVE)
         elapsed = time.perf_counter() - began
         tasks = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
         rows = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM attempts").fetchone()[0])

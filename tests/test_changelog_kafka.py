@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bridge.changelog.codec import SCHEMA
-from bridge.changelog.local import LocalIndex
+from bridge.changelog.local import HomeState, LocalIndex
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig, parse_config
@@ -380,7 +380,7 @@ async def test_a_stale_group_generation_cannot_commit_a_changelog_transaction(ka
     try:
         local = LocalIndex(store)
         await local.set_changelogged([topic])
-        await local.set_home((topic, 0), "active")
+        await local.set_home((topic, 0), HomeState.ACTIVE)
         task = failure()
         task = type(task)(**{**task.__dict__, "headers": {**task.headers, "rdq.source": f"kafka://{topic}/0/0"}})
         await store.submit(task)
