@@ -448,16 +448,25 @@ def check(run: Run, config: BridgeConfig, log_path: Path, downstream: Downstream
     return verdict
 
 
-def _count(config: BridgeConfig, topic: str) -> int:
-    from confluent_kafka import Consumer, TopicPartition
+def _count(config: BridgeConfig, topic: str, tries: int = 10) -> int:
+    """Records in a topic. The checker's own client may not know the topic's partitions yet right after a burst of
+    rebalances (`Unknown partition` from a fresh client: CI saw it once): it asks again, with a new client."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": "nemesis-count"})
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return sum(h - lo for p in partitions
-                   for lo, h in [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)])
-    finally:
-        consumer.close()
+    for attempt in range(tries):
+        consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": "nemesis-count"})
+        try:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            return sum(h - lo for p in partitions
+                       for lo, h in [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)])
+        except KafkaException as e:
+            if attempt == tries - 1:
+                raise
+            log(f"checker: {e} (asking again)")
+            time.sleep(1.0)
+        finally:
+            consumer.close()
+    raise AssertionError("unreachable")
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
