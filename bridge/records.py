@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+TP = tuple[str, int]  # a source partition: (topic, partition)
 SOURCE = "rdq.source"
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"

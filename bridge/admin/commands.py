@@ -29,8 +29,6 @@ from bridge.model import Status, Task, parse_rfc3339
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
-_PROGRESS_EVERY = 500
-_CATCH_UP = 1000  # records per admin partition read back at most when the time lookup finds none
 
 
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -31,8 +31,6 @@ from bridge.config import AdminConfig
 from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
-Progress = Callable[[dict[str, Any]], Awaitable[None]]
-_PROGRESS_EVERY = 500
 _CATCH_UP = 1000  # records per admin partition read back at most when the time lookup finds none
 
 

@@ -28,7 +28,7 @@ from bridge.aio import OneThread
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.live_config import LiveConfig
-from bridge.records import SourceRecord
+from bridge.records import TP, SourceRecord
 from bridge.source.backpressure import Backpressure
 from bridge.source.first_delivery import FirstDelivery, Ran
 from bridge.source.journal import InflightJournal
@@ -40,7 +40,6 @@ from bridge.source.restores import Changelog
 from bridge.store.tasks import Store
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 _BATCH = 500
 _FIRST_POLL = 4
 _POLL_TIMEOUT = 0.1

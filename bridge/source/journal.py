@@ -13,11 +13,11 @@ from typing import Any
 
 from bridge.aio import Backoff
 from bridge.clock import Clock
+from bridge.records import TP
 from bridge.store.database import StoreError
 from bridge.store.tasks import Store
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 Range = tuple[str, int, int, int]  # topic, partition, lowest pending offset, highest fetched offset
 
 

@@ -29,11 +29,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from bridge.engine.threads import HandlerThreads
-from bridge.records import SourceRecord
+from bridge.records import TP, SourceRecord
 from bridge.source.first_delivery import Begun, FirstDelivery, Ran
 from bridge.source.lane_keys import LaneKeys
 
-TP = tuple[str, int]
 # A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
 # waits on I/O). One slow record is not enough: a runner that waited for the GIL sees a fast record take 5 ms,
 # and more threads for a fast handler only make them fight for it.

@@ -20,6 +20,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from bridge.aio import OneThread
 from bridge.changelog.local import HomeState
 from bridge.config import BridgeConfig
+from bridge.records import TP
 from bridge.source.backpressure import Backpressure
 from bridge.source.journal import InflightJournal
 from bridge.source.keys import OrderKeys
@@ -28,7 +29,6 @@ from bridge.source.restores import Changelog, Restores
 from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 _FLUSH_TIMEOUT = 15.0  # a revoke's last changelog transaction (the writer's own timeouts are shorter)
 
 

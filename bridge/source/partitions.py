@@ -17,10 +17,9 @@ from collections.abc import Iterable, Iterator
 from enum import StrEnum
 from typing import Any
 
+from bridge.records import TP
 from bridge.source.lanes import Lane
 from bridge.source.offsets import PartitionTracker
-
-TP = tuple[str, int]
 
 
 class Phase(StrEnum):

@@ -20,6 +20,7 @@ from bridge.changelog.local import HomeState, LocalIndex
 from bridge.changelog.restore import RestoreFailed, Restorer, RestoreReport
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
+from bridge.records import TP
 from bridge.source.backpressure import Backpressure
 from bridge.source.keys import OrderKeys
 from bridge.source.partitions import Partitions, PartitionState, Phase
@@ -27,7 +28,6 @@ from bridge.store.database import StoreError
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
-TP = tuple[str, int]
 
 
 class Changelog:
