@@ -114,6 +114,8 @@ async def test_exhausted_attempts_go_dead_with_the_last_error(h: Harness) -> Non
     task = await h.wait_status(await h.submit(handler="flaky"), Status.DEAD)
     assert task.attempt_count == 3 and len(task.attempts) == 3
     assert task.dead_reason is not None and task.dead_reason.type == "ConnectionError"
+    # The dead hook runs once the store's answer reaches the recorder, which may be just after the task reads DEAD.
+    await eventually(lambda: len(h.dead) >= 1, within=5)
     assert [t.id for t in h.dead] == [task.id]
     assert h.engine is not None and h.engine.dead_event.is_set()
 
