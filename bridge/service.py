@@ -24,6 +24,7 @@ from bridge.changelog.restore import Restorer
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
+from bridge.config.processes import ChildSpec
 from bridge.dlq.publisher import DlqPublisher
 from bridge.engine.core import Engine, default_instance_id, supervise
 from bridge.hooks import Hooks
@@ -49,6 +50,7 @@ from bridge.source.consumer import SourceConsumer
 from bridge.source.first_delivery import FirstDelivery
 from bridge.source.restores import Changelog
 from bridge.store.tasks import Store
+from bridge.supervisor.lifeline import Lifeline
 from bridge.telemetry.core import Telemetry
 from bridge.telemetry.health import HealthServer
 from bridge.workers.http_handler import HttpHandler
@@ -228,9 +230,14 @@ async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asy
     stop = stop or asyncio.Event()
     registry = load_handler_modules(config.engine.handler_modules)
     check_handlers(config, registry)
+    child = ChildSpec.from_env(os.environ)
+    lifeline = Lifeline(child) if child is not None else None
+    if lifeline is not None:  # under a supervisor: stop when it is gone, before the start too
+        lifeline.watch(asyncio.get_running_loop(), stop)
     bridge = await open_bridge(config, registry, config_path, stop=stop)
     store = bridge.store
     _install_signals(asyncio.get_running_loop(), stop, bridge.live)
+    reporting = asyncio.create_task(_report(lifeline, bridge)) if lifeline is not None else None
     reachable = await asyncio.to_thread(broker_reachable, config)
     log.info("rdq bridge %s started: store %s, kafka %s (%s), queues %s", bridge.engine.instance_id, store.path,
              config.kafka.bootstrap_servers, "reachable" if reachable else "not reachable yet",
@@ -238,5 +245,15 @@ async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asy
     try:
         await bridge.run(stop)
     finally:
+        if reporting is not None:
+            reporting.cancel()
         await asyncio.shield(store.close())
         log.info("rdq bridge %s stopped", bridge.engine.instance_id)
+
+
+async def _report(lifeline: Lifeline, bridge: Bridge) -> None:
+    """Tell the supervisor who this child is and, once it listens, where its health server is."""
+    lifeline.report(instance_id=bridge.engine.instance_id, state="running")
+    if bridge.health is not None:
+        await bridge.health.listening.wait()
+        lifeline.report(health_port=bridge.health.bound_port)

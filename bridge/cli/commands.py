@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,20 @@ import yaml
 
 from bridge.admin.protocol import MAX_REDRIVE_RATE
 from bridge.config import BridgeConfig, ConfigError, load_config
+from bridge.config.processes import ChildSpec, process_count
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from bridge.service import serve
 
     config = load_config(args.config)
+    if args.processes is not None:
+        config = config.model_copy(update={"engine": config.engine.model_copy(update={"processes": args.processes})})
+    count = process_count(config)
+    if count > 1 and ChildSpec.from_env(os.environ) is None:
+        from bridge.supervisor.supervisor import Supervisor
+
+        return asyncio.run(Supervisor(config, Path(args.config), count).run())
     asyncio.run(serve(config, Path(args.config)))
     return 0
 
@@ -145,6 +154,18 @@ def rate(text: str) -> float:
     if not 0 < rate <= MAX_REDRIVE_RATE:
         raise argparse.ArgumentTypeError(f"a rate is > 0 and <= {MAX_REDRIVE_RATE:g} tasks/s, not {text}")
     return rate
+
+
+def processes(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 256:
+        raise argparse.ArgumentTypeError(f"processes is a number from 1 to 256 or auto, not {text!r}")
+    return count
 
 
 def dlq_ref(text: str) -> tuple[str, int, int]:

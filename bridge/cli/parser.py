@@ -14,6 +14,7 @@ from bridge.cli.commands import (
     cmd_run,
     cmd_store,
     cmd_topics,
+    processes,
     rate,
 )
 from bridge.cli.redrive import DEFAULT_RATE
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the bridge")
     run.add_argument("--config", required=True)
+    run.add_argument("--processes", type=processes, default=None, metavar="N|auto",
+                     help="bridge processes under one supervisor (default: engine.processes, 1)")
     run.set_defaults(fn=cmd_run)
     topics = sub.add_parser("topics", help="create the config's topics that are missing")
     topics.add_argument("--config", required=True)

@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from bridge.config.models import ENV_PREFIX, POLICY_FIELDS, BridgeConfig, ConfigError, QueueConfig
+from bridge.config.processes import as_child
 
 
 def restart_only_changes(running: BridgeConfig, fresh: BridgeConfig) -> list[str]:
@@ -117,8 +118,9 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> B
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, not {type(tree).__name__}")
-    tree = apply_env_overrides(tree, os.environ if environ is None else environ)
-    return parse_config(tree, str(path))
+    environ = os.environ if environ is None else environ
+    tree = apply_env_overrides(tree, environ)
+    return as_child(parse_config(tree, str(path)), environ)  # a supervisor's child: its own store, id, ports
 
 
 def parse_config(tree: dict[str, Any], source: str = "<config>") -> BridgeConfig:

@@ -293,6 +293,9 @@ class TelemetryConfig(_Model):
 
 class EngineConfig(_Model):
     instance_id: str | None = None
+    # Bridge processes under one supervisor (bridge/supervisor): each a member of the consumer group with its own
+    # store file, transactional id and instance id `<id>-<i>`. `auto`: one per core this process may run on.
+    processes: Annotated[int, Field(ge=1, le=256, strict=True)] | Literal["auto"] = 1
     sweep_interval: PositiveDuration = 1.0
     grace_period: Duration = 10.0
     handler_modules: list[str] = Field(default_factory=lambda: ["handlers"])

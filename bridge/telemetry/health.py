@@ -46,6 +46,7 @@ class HealthServer:
         self._breakers = breakers or (lambda: {})
         self.broker_ok = False
         self.bound_port: int | None = None
+        self.listening = asyncio.Event()
 
     @property
     def store_ok(self) -> bool:
@@ -80,6 +81,7 @@ class HealthServer:
         server = site._server  # the bound socket: the port when 0 was asked for
         sockets = getattr(server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.port
+        self.listening.set()
         log.info("metrics and health on http://%s:%s (/metrics /healthz /readyz)", self.host, self.bound_port)
         admin = await asyncio.to_thread(self._admin_factory)
         try:
