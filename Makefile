@@ -45,10 +45,13 @@ faults: kafka
 soak: kafka
 	$(BIN)/python -m bench.nemesis --seconds $(or $(SOAK_SECONDS),900) --runs 3
 
-# Benchmarks, each against a baseline measured in the same run (figures appended to bench/RESULTS.md).
+# Benchmarks, each against a baseline measured in the same run (figures appended to bench/RESULTS.md). Every row
+# also runs once at a tiny size in `make test` (tests/test_benches.py), so a bench that rots fails CI.
 bench: kafka
 	$(BIN)/python -m bench.bench_engine all
 	$(BIN)/python -m bench.bench_kafka all
+	$(BIN)/python -m bench.bench_changelog all
+	$(BIN)/python -m bench.bench_processes all
 	$(BIN)/python -m bench.bench_tracing
 	$(BIN)/python -m bench.bench_admin
 

@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.bench_kafka import PAYLOAD, bench_config, broker, produce, regrouped, run_bridge_until
-from bench.common import record
+from bench.common import NO_BREAKER, NO_BREAKER_NOTE, record
 from bridge.changelog.codec import encode
 from bridge.changelog.local import HomeState, LocalIndex
 from bridge.changelog.restore import Restorer
@@ -146,7 +146,7 @@ async def failure_run(config: BridgeConfig, n: int) -> tuple[float, Bridge]:
 async def bench_overhead(bootstrap: str, n: int) -> None:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         base = bench_config(bootstrap, Path(tmp), {"handler": "fails", "max_attempts": 5,
-                                                   "backoff": {"kind": "fixed", "base": "1h"}})
+                                                   "backoff": {"kind": "fixed", "base": "1h"}, **NO_BREAKER})
         topic = base.queues["q"].sources[0]
         ensure_topics(base)
         produce(bootstrap, topic, n)
@@ -160,6 +160,7 @@ async def bench_overhead(bootstrap: str, n: int) -> None:
     off_rate, on_rate = n / off_elapsed, n / on_elapsed
     record("changelog overhead on the failure path (every first attempt fails and is stored)", [
         f"records: {n} x 1 KB through Kafka, each a PENDING task with its first attempt; one run, both settings",
+        NO_BREAKER_NOTE,
         f"changelog off (SQLite only): {off_rate:9.0f} records/s",
         f"changelog on (SQLite + changelog transaction + offsets in it): {on_rate:9.0f} records/s  "
         f"cost +{(off_rate / on_rate - 1) * 100:.0f}% time  (goal <= +25%; transactions {stats.get('transactions')})",

@@ -1,0 +1,226 @@
+"""`engine.processes`: the bridge on every core (issue 25), each row against a baseline measured in the same run.
+
+    python -m bench.bench_processes failure [--n 20000] [--runs 3]   # every first attempt fails: processes 2 vs 1
+    python -m bench.bench_processes happy   [--n 100000] [--runs 3]  # ok handler: processes 2 vs a bare loop of 2
+    python -m bench.bench_processes all
+
+Each bridge is `rdq run --processes P` as users run it (a child process; production defaults, changelog on),
+watched from outside through its `/metrics`, on a fresh consumer group and store each run. The rate is the
+steady state: from the first record counted to the n-th (group join and restore apart, reported as wall).
+RSS: each bridge process (every child, and the supervisor) at the end of its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from confluent_kafka import Consumer
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.bench_kafka import PARTITIONS, _spread, bench_config, broker, produce
+from bench.common import NO_BREAKER, NO_BREAKER_NOTE, BenchTimeout, record
+from bridge.config import BridgeConfig
+from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics
+from localkafka.broker import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+FAILING = b'{"fail": 99, "pad": "' + b"x" * 1000 + b'"}'  # ~1 KB; the flaky example handler fails it every time
+WITHIN = 600.0
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _metric_sum(port: int, family: str, **labels: str) -> float:
+    """The sum over every process of a family's `_total` samples with these labels (0 until it answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0.0
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == family for s in f.samples
+               if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _pids(port: int, bridge: subprocess.Popen[bytes]) -> list[int]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            children = json.loads(response.read()).get("children", {})
+    except OSError:
+        children = {}
+    return [bridge.pid, *(c["pid"] for c in children.values() if c.get("pid"))]
+
+
+def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, family: str,
+               **labels: str) -> tuple[float, float, list[float]]:
+    """`rdq run --processes P` on a fresh group and store until `family{labels}` counts n: (steady records/s,
+    wall s from the start, RSS MiB of each process)."""
+    unique = uuid.uuid4().hex[:6]
+    port = free_port()
+    tree = config.file_tree()
+    tree["kafka"]["group_id"] = f"{config.kafka.group_id}-{unique}"
+    tree["store"]["path"] = str(tmp / f"{unique}.db")
+    tree.setdefault("telemetry", {})["port"] = port
+    path = tmp / f"{unique}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    began = time.perf_counter()
+    bridge = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(path), "--processes",
+                               str(processes)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=(tmp / f"{unique}.log").open("wb"))
+    first: tuple[float, float] | None = None
+    try:
+        while True:
+            counted = _metric_sum(port, family, **labels)
+            now = time.perf_counter()
+            if counted and first is None:
+                first = (now, counted)
+            if counted >= n and first is not None:
+                break
+            if now - began > WITHIN or bridge.poll() is not None:
+                raise BenchTimeout(f"rdq run --processes {processes} counted {counted:.0f} of {n} {family} within "
+                                   f"{now - began:.0f} s (exit {bridge.poll()}; its log: {tmp / unique}.log)")
+            time.sleep(0.05)
+        # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
+        steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
+        rss = [_rss_mib(pid) for pid in _pids(port, bridge)]
+        return steady, now - began, rss
+    finally:
+        bridge.send_signal(signal.SIGTERM)
+        try:
+            bridge.wait(60)
+        except subprocess.TimeoutExpired:
+            bridge.kill()
+
+
+# ---- the failure path: processes 2 vs 1 ------------------------------------------------------------------------
+
+
+def bench_failure(bootstrap: str, n: int, runs: int) -> None:
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    ratios: list[float] = []
+    rss: list[str] = []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "flaky", "max_attempts": 5,
+                                                     "backoff": {"kind": "fixed", "base": "1h"}, **NO_BREAKER})
+        ensure_topics(config)
+        produce(bootstrap, config.queues["q"].sources[0], n, FAILING)
+        for _ in range(runs):
+            for processes in (1, 2):
+                rate, _, sizes = run_bridge(config, Path(tmp), processes, n, "rdq_tasks_created", status="PENDING")
+                rates[processes].append(rate)
+                rss.append(f"{processes}: " + "/".join(f"{s:.0f}" for s in sizes))
+            ratios.append(rates[2][-1] / rates[1][-1])
+    record("failure path on every core: processes 2 vs 1 (every first attempt fails and is stored durably)", [
+        f"records: {n} x 1 KB, {PARTITIONS} partitions; each becomes a PENDING task with its first attempt; {runs} "
+        "runs, each: `rdq run --processes 1`, then `--processes 2`, fresh group and store",
+        "production defaults (changelog on, synchronous=FULL) but the " + NO_BREAKER_NOTE,
+        f"baseline, processes 1: {_spread(rates[1])} records/s",
+        f"processes 2: {_spread(rates[2])} records/s; ratio to 1 process min/median/max {_spread(ratios, '.2f')}  "
+        "(goal >= 1.6)",
+        f"RSS MiB per process (processes: supervisor/children): {'; '.join(rss)}",
+    ])
+
+
+# ---- the happy path: processes 2 vs a bare loop of 2 members ----------------------------------------------------
+
+
+def _bare_member(bootstrap: str, topic: str, group: str, n: int, out: Any) -> None:
+    """One member of a bare group: consume, run nothing but a JSON decode, store offsets; report the time of its
+    first and last record (it stops after 3 s without a record, or at n)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
+                         "enable.auto.offset.store": False, "partition.assignment.strategy": "cooperative-sticky",
+                         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
+    consumer.subscribe([topic])
+    seen, first, last, idle_since = 0, 0.0, 0.0, time.monotonic()
+    while seen < n and time.monotonic() - idle_since < (3.0 if seen else 60.0):
+        messages = [m for m in consumer.consume(500, 0.2) if m.error() is None]
+        for msg in messages:
+            json.loads(msg.value())
+        if messages:
+            now = time.perf_counter()
+            first = first or now
+            last, seen, idle_since = now, seen + len(messages), time.monotonic()
+            consumer.store_offsets(messages[-1])
+    consumer.close()
+    out.put((seen, first, last))
+
+
+def bare_pair(bootstrap: str, topic: str, n: int) -> float:
+    """Two bare members in two processes of one group: records/s from the first record of either to the last."""
+    group = f"bare-pair-{uuid.uuid4().hex[:6]}"
+    queue: Any = multiprocessing.get_context("spawn").Queue()
+    members = [multiprocessing.get_context("spawn").Process(target=_bare_member, args=(bootstrap, topic, group, n,
+                                                                                       queue)) for _ in range(2)]
+    for member in members:
+        member.start()
+    reports = [queue.get(timeout=WITHIN) for _ in members]
+    for member in members:
+        member.join(30)
+    seen = sum(r[0] for r in reports)
+    if seen < n:
+        raise BenchTimeout(f"the bare pair consumed {seen} of {n} records")
+    return n / (max(r[2] for r in reports) - min(r[1] for r in reports if r[1]))
+
+
+def bench_happy(bootstrap: str, n: int, runs: int) -> None:
+    bare: list[float] = []
+    bridge: list[float] = []
+    ratios: list[float] = []
+    rss: list[str] = []
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
+        ensure_topics(config)
+        produce(bootstrap, config.queues["q"].sources[0], n)
+        for _ in range(runs):
+            bare.append(bare_pair(bootstrap, config.queues["q"].sources[0], n))
+            rate, _, sizes = run_bridge(config, Path(tmp), 2, n, "rdq_attempts", outcome="SUCCESS")
+            bridge.append(rate)
+            ratios.append(rate / bare[-1])
+            rss.append("/".join(f"{s:.0f}" for s in sizes))
+    record("happy path on every core: processes 2 vs a bare loop of 2 members", [
+        f"records: {n} x 1 KB, {PARTITIONS} partitions; {runs} runs, each: two bare confluent-kafka members (two "
+        "processes, one group: batch consume, JSON decode, store_offsets), then `rdq run --processes 2` with the "
+        "ok handler (production defaults, changelog on), fresh group and store",
+        f"baseline, the bare pair: {_spread(bare)} records/s",
+        f"bridge, processes 2: {_spread(bridge)} records/s; ratio min/median/max {_spread(ratios, '.2f')}  "
+        "(goal >= 0.8)",
+        f"RSS MiB per bridge process (supervisor/children): {'; '.join(rss)}",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=["failure", "happy", "all"])
+    parser.add_argument("--n", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.pop("RDQ_CHILD", None)
+    with broker() as bootstrap:
+        if args.which in ("failure", "all"):
+            bench_failure(bootstrap, args.n or 20_000, args.runs)
+        if args.which in ("happy", "all"):
+            bench_happy(bootstrap, args.n or 100_000, args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Every bench row runs once at a tiny size, on the test broker, so that a bench that rots (hangs, breaks on a
+changed API) fails CI. The figures are printed, not asserted and not recorded (RDQ_BENCH_SMOKE=1); the real
+figures come from `make bench` at production sizes (bench/RESULTS.md).
+
+Not here: bench/bench_broker.py (it times the local-broker tooling itself, starting a broker from an empty jar
+cache, i.e. a download); bench/faults.py and bench/nemesis.py, which CI runs as `make faults`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import KafkaEnv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ROWS = {
+    "engine-failures": ["bench.bench_engine", "failures", "--n", "300"],
+    "engine-retry": ["bench.bench_engine", "retry", "--n", "300"],
+    "engine-scale": ["bench.bench_engine", "scale", "--sizes", "2000", "--claims", "20"],
+    "kafka-happy": ["bench.bench_kafka", "happy", "--n", "600", "--runs", "1"],
+    "kafka-bookkeeping": ["bench.bench_kafka", "bookkeeping", "--n", "600", "--runs", "1"],
+    "kafka-failure": ["bench.bench_kafka", "failure", "--n", "300", "--runs", "1"],
+    "kafka-dlq": ["bench.bench_kafka", "dlq", "--n", "100", "--runs", "1"],
+    "kafka-e2e": ["bench.bench_kafka", "e2e", "--n", "60", "--runs", "1"],
+    "kafka-ordering": ["bench.bench_kafka", "ordering", "--n", "600", "--runs", "1"],
+    "changelog-restore": ["bench.bench_changelog", "restore", "--n", "300"],
+    "changelog-overhead": ["bench.bench_changelog", "overhead", "--n", "300"],
+    "changelog-ready": ["bench.bench_changelog", "ready", "--n", "1"],
+    "processes": ["bench.bench_processes", "all", "--n", "300", "--runs", "1"],
+    "tracing": ["bench.bench_tracing", "--n", "600"],
+    "admin": ["bench.bench_admin", "--n", "40", "--runs", "1", "--rate", "1000"],
+}
+BOUND = 240  # seconds: a tiny run that takes longer is a bench that would hang at full size
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_every_bench_runs_at_a_tiny_size(kafka: KafkaEnv, row: str, tmp_path: Path) -> None:
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "RDQ_BENCH_SMOKE": "1"}
+    results = ROOT / "bench" / "RESULTS.md"
+    before = results.read_bytes()
+    try:
+        proc = subprocess.run([sys.executable, "-m", *ROWS[row]], capture_output=True, text=True, cwd=ROOT, env=env,
+                              timeout=BOUND)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{row} did not finish within {BOUND} s at a tiny size:\n{e.stdout}\n{e.stderr}") from e
+    assert proc.returncode == 0, f"{row} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "(smoke run:" in proc.stdout, proc.stdout  # it reached its figures
+    assert results.read_bytes() == before  # a smoke run records nothing
