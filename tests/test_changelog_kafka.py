@@ -562,3 +562,57 @@ async def test_a_partition_lost_and_assigned_again_at_once_is_restored_and_runs(
         await wait_until(lambda: committed_lag(config, topic) == 0, within=30, what="the new record done, committed")
         counts = {status: n for status, n in (await bridge.store.counts())["q"].items() if n}
         assert counts == {"PENDING": 5}  # it succeeded: no task of its own
+
+
+async def test_a_restore_over_many_batches_applies_every_batch_before_its_partition_is_ready(
+        kafka: Any, tmp_path: Path) -> None:
+    """The restore fetches the next batch while the store applies this one: a partition is finished only by the
+    reach of batches already applied. Its changelog's last records (a newer state of one task, a tombstone of
+    another) come in the last of three batches; a partition with a few records restores beside it."""
+    from bench.bench_changelog import task_record
+    from bridge.changelog.restore import Restorer
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=2)
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    changelog = config.changelog_topic(topic)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 20})
+    n = 11_998
+    def put(record: tuple[bytes, bytes | None], partition: int) -> None:
+        producer.produce(changelog, key=record[0], value=record[1], partition=partition)
+
+    for i in range(n):
+        put(task_record(i, topic, 1), 0)
+        if i % 2000 == 0:
+            producer.poll(0)
+    put(task_record(7, topic, 3), 0)  # a later state of task 7: three attempts
+    put((task_record(5, topic, 1)[0], None), 0)  # task 5 ends: a tombstone
+    for i in range(10):
+        put(task_record(n + i, topic, 2, partition=1), 1)
+    assert producer.flush(60) == 0
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock(),
+                            lambda: make_restore_consumer(config, "t", committed_only=False))
+        reports: dict[int, Any] = {}
+
+        async def restored(report: Any) -> None:
+            reports[report.home[1]] = report
+
+        failed = await restorer.restore_many([(topic, 0), (topic, 1)], lambda _: True, restored)
+        assert not failed
+        assert reports[0].records == n + 2 and reports[0].tasks == n + 1 and reports[0].tombstones == 1
+        counts = await store.db.read(lambda c: c.execute(
+            "SELECT home_partition, COUNT(*) FROM tasks GROUP BY home_partition ORDER BY 1").fetchall())
+        counts = [tuple(row) for row in counts]
+        assert counts == [(0, n - 1), (1, 10)]
+        seven = await store.get(task_record(7, topic, 1)[0].decode())
+        assert seven is not None and seven.attempt_count == 3 and len(seven.attempts) == 3
+        assert await store.get(task_record(5, topic, 1)[0].decode()) is None
+    finally:
+        await store.close()

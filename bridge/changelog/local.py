@@ -192,18 +192,24 @@ class LocalIndex:
     # ---- restore ---------------------------------------------------------------------------------------
 
     async def restore_batch(self, home: Home, changelog_topic: str,
-                            records: list[tuple[int, bytes | None, bytes | None]], seen: set[str], now: int,
+                            records: list[tuple[int, bytes | None, bytes | None]] | Picked, seen: set[str], now: int,
                             errors: list[str], existing: frozenset[str] = frozenset()) -> RestoreBatch:
         """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
         is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore;
         its task is quarantined (`_quarantine`): not restored from its earlier records.
 
         In bulk: only each task's last record in the batch counts (a later one holds its whole state), and the
-        batch's tasks are replaced with a few `executemany`, not statement by statement."""
+        batch's tasks are replaced with a few `executemany`, not statement by statement. `records` may come
+        already picked (`pick_last`, done by the restorer while the store applies the previous batch)."""
         result = RestoreBatch()
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
-            last, held, raw = _last_records(conn, changelog_topic, home[1], records, now, errors, result)
+            picked = records if isinstance(records, Picked) else pick_last(records)
+            last, held, raw = picked.last, picked.held, picked.raw
+            for offset, key, value, why in picked.unreadable:
+                self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
+            result.applied, result.tombstones, result.unreadable = (picked.applied, picked.tombstones,
+                                                                    len(picked.unreadable))
             with _guarded(conn):
                 refused = self._replace(conn, last, seen | existing)
                 for task_id, why in refused.items():
@@ -352,29 +358,39 @@ class LocalIndex:
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}
 
 
-def _last_records(conn: sqlite3.Connection, changelog_topic: str, partition: int,
-                  records: list[tuple[int, bytes | None, bytes | None]], now: int, errors: list[str],
-                  result: RestoreBatch) -> tuple[dict[str, Restored | None], dict[str, tuple[int, str]],
-                                                 dict[str, tuple[int, bytes | None, bytes]]]:
-    """Each task's last record of the batch, in log order: its state (None: a tombstone), or — when that record
-    cannot be read — why (`held`: its task is quarantined); an unreadable record is kept in changelog_unreadable.
-    `raw`: each readable last record as read."""
-    last: dict[str, Restored | None] = {}
-    held: dict[str, tuple[int, str]] = {}  # task id → (offset, why) of its unreadable last record
-    raw: dict[str, tuple[int, bytes | None, bytes]] = {}
+@dataclass
+class Picked:
+    """A batch of changelog records reduced to each task's last word (`pick_last`), decoded off the store's thread.
+
+    `last`: each task's state (None: a tombstone); `held`: tasks whose last record cannot be read (offset, why;
+    quarantined); `raw`: each readable last record as read; `unreadable`: every unreadable record (offset, key,
+    value, why), kept in changelog_unreadable."""
+
+    last: dict[str, Restored | None]
+    held: dict[str, tuple[int, str]]
+    raw: dict[str, tuple[int, bytes | None, bytes]]
+    unreadable: list[tuple[int, bytes | None, bytes, str]]
+    applied: int = 0
+    tombstones: int = 0
+
+
+def pick_last(records: list[tuple[int, bytes | None, bytes | None]]) -> Picked:
+    """Each task's last record of the batch, in log order (pure: no store). A later record holds a task's whole
+    state, so only the last counts."""
+    picked = Picked({}, {}, {}, [])
+    last, held = picked.last, picked.held
     for offset, key, value in records:
         if value is None:
             task_id = (key or b"").decode("utf-8", "replace")
             last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
             last[task_id] = None
             held.pop(task_id, None)
-            result.tombstones += 1
+            picked.tombstones += 1
             continue
         try:
             restored = decode(key, value)
         except Unreadable as e:
-            LocalIndex._unreadable(conn, changelog_topic, partition, offset, key, value, str(e), now, errors)
-            result.unreadable += 1
+            picked.unreadable.append((offset, key, value, str(e)))
             owner = _task_id_of(key)
             if owner is not None:
                 last.pop(owner, None)
@@ -384,6 +400,6 @@ def _last_records(conn: sqlite3.Connection, changelog_topic: str, partition: int
         last.pop(task_id, None)
         last[task_id] = restored
         held.pop(task_id, None)
-        raw[task_id] = (offset, key, value)
-        result.applied += 1
-    return last, held, raw
+        picked.raw[task_id] = (offset, key, value)
+        picked.applied += 1
+    return picked

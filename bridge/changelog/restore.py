@@ -13,6 +13,7 @@ logged (see LocalIndex.restore_finish).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from bridge.aio import OneThread
-from bridge.changelog.local import Home, LocalIndex, RestoreBatch
+from bridge.changelog.local import Home, LocalIndex, Picked, RestoreBatch, pick_last
 from bridge.clock import Clock
 from bridge.store.database import StoreError
 
@@ -85,6 +86,18 @@ class _Restoring:
 
 
 Restored = Callable[[RestoreReport], Awaitable[None]]
+
+
+@dataclass
+class _Fetched:
+    """What one fetch brought: each partition's batch, picked (and its record count), and how far it was read."""
+
+    batches: dict[Changelog, tuple[Picked, int]] = field(default_factory=dict)
+    reached: dict[Changelog, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def reach(self, key: Changelog, offset: int) -> None:
+        self.reached[key] = max(self.reached.get(key, -1), offset)
 
 
 class Restorer:
@@ -173,66 +186,76 @@ class Restorer:
 
     async def _read_all(self, consumer: Consumer, reading: dict[Changelog, _Restoring],
                         wanted: Callable[[Home], bool], restored: Restored, failed: dict[Home, Exception]) -> None:
-        """Read every partition to its end; each one finished as soon as its end is reached."""
-        errors: list[str] = []
-        while reading:
-            for key, part in list(reading.items()):
-                if not wanted(part.home):
-                    part.done = True
-                    failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: no longer assigned")
-                    await self._leave(consumer, reading, key)
-            if not reading:
-                return
-            batches = self._sorted(await self._call(consumer.consume, _BATCH, _POLL), reading)
-            for key, batch in batches.items():
-                part = reading[key]
-                try:
-                    applied = await self.local.restore_batch(part.home, part.topic, batch, part.seen,
-                                                             self.clock.now_ms(), errors, part.existing)
-                except StoreError as e:
-                    part.done = True
-                    failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
-                    await self._leave(consumer, reading, key)
-                    continue
-                part.count(applied, len(batch))
-                for why in errors:
-                    log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s",
-                              why)
-                errors.clear()
-            await self._note_positions(consumer, reading)
-            for key, part in list(reading.items()):
-                if part.reached >= part.end or await self._stalled_at_markers(consumer, part):
-                    await self._leave(consumer, reading, key)
-                    await self._finish(part, restored, failed, wanted)
+        """Read every partition to its end; each one finished as soon as its end is reached. Pipelined: the next
+        batch is fetched and decoded on the restore thread while the store applies this one."""
+        fetching = asyncio.ensure_future(self._call(self._fetch, consumer, frozenset(reading)))
+        try:
+            while reading:
+                for key, part in list(reading.items()):
+                    if not wanted(part.home):
+                        part.done = True
+                        failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: no longer assigned")
+                        await self._leave(consumer, reading, key)
+                if not reading:
+                    return
+                fetched = await fetching
+                fetching = asyncio.ensure_future(self._call(self._fetch, consumer, frozenset(reading)))
+                await self._apply(fetched, reading, consumer, failed)
+                for key, part in list(reading.items()):
+                    part.reached = max(part.reached, fetched.reached.get(key, -1))  # only once its batch is in
+                    if part.reached >= part.end or await self._stalled_at_markers(consumer, part):
+                        await self._leave(consumer, reading, key)
+                        await self._finish(part, restored, failed, wanted)
+        finally:
+            await asyncio.gather(fetching, return_exceptions=True)  # the consumer closes after it, on its thread
 
-    @staticmethod
-    def _sorted(messages: list[Any], reading: dict[Changelog, _Restoring]
-                ) -> dict[Changelog, list[tuple[int, bytes | None, bytes | None]]]:
-        """A consumed batch, per changelog partition in log order; end-of-partition events noted."""
-        batches: dict[Changelog, list[tuple[int, bytes | None, bytes | None]]] = {}
-        for msg in messages:
-            key = (msg.topic(), msg.partition())
+    async def _apply(self, fetched: _Fetched, reading: dict[Changelog, _Restoring], consumer: Consumer,
+                     failed: dict[Home, Exception]) -> None:
+        errors: list[str] = []
+        for warning in fetched.warnings:
+            log.warning("restoring %s", warning)
+        for key, (picked, records) in fetched.batches.items():
             part = reading.get(key)
             if part is None:
+                continue  # finished or given up while this batch was fetched
+            try:
+                applied = await self.local.restore_batch(part.home, part.topic, picked, part.seen,
+                                                         self.clock.now_ms(), errors, part.existing)
+            except StoreError as e:
+                part.done = True
+                failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
+                await self._leave(consumer, reading, key)
+                continue
+            part.count(applied, records)
+            for why in errors:
+                log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s", why)
+            errors.clear()
+
+    @staticmethod
+    def _fetch(consumer: Consumer, keys: frozenset[Changelog]) -> _Fetched:
+        """On the restore thread: a consumed batch per changelog partition, in log order, each reduced to its
+        tasks' last records (decoded here, not on the store's thread), and how far each partition was read: by
+        its records, end-of-partition events and the consumer's position, which steps over the commit markers
+        (a changelog whose last record is a marker is at its end once its position is)."""
+        fetched = _Fetched()
+        records: dict[Changelog, list[tuple[int, bytes | None, bytes | None]]] = {}
+        for msg in consumer.consume(_BATCH, _POLL):
+            key, offset = (msg.topic(), msg.partition()), msg.offset()
+            if key not in keys or offset is None:
                 continue  # a partition already finished or given up (paused; fetched before it was)
             error = msg.error()
             if error is None:
-                batches.setdefault(key, []).append((msg.offset(), msg.key(), msg.value()))
-                part.reached = max(part.reached, msg.offset() + 1)
+                records.setdefault(key, []).append((offset, msg.key(), msg.value()))
+                fetched.reach(key, offset + 1)
             elif error.code() == KafkaError._PARTITION_EOF:
-                part.reached = max(part.reached, msg.offset())
+                fetched.reach(key, offset)
             else:
-                log.warning("restoring %s/%d: %s", part.topic, part.home[1], error)
-        return batches
-
-    async def _note_positions(self, consumer: Consumer, reading: dict[Changelog, _Restoring]) -> None:
-        """The consumer's position steps over the commit markers: a changelog whose last record is a marker is at
-        its end once its position is, with no wait for an end-of-partition event."""
-        positions = await self._call(consumer.position, [TopicPartition(*key) for key in reading])
-        for tp in positions:
-            part = reading.get((tp.topic, tp.partition))
-            if part is not None and tp.error is None and tp.offset >= 0:
-                part.reached = max(part.reached, tp.offset)
+                fetched.warnings.append(f"{key[0]}/{key[1]}: {error}")
+        for tp in consumer.position([TopicPartition(*key) for key in keys]) if keys else []:
+            if tp.error is None and tp.offset >= 0:
+                fetched.reach((tp.topic, tp.partition), tp.offset)
+        fetched.batches = {key: (pick_last(batch), len(batch)) for key, batch in records.items()}
+        return fetched
 
     async def _stalled_at_markers(self, consumer: Consumer, part: _Restoring) -> bool:
         """Nothing came for a while: finished if only markers were left before the end; else say what it waits
