@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -30,9 +31,9 @@ import yaml
 from confluent_kafka import Consumer
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_kafka import PARTITIONS, _spread, bench_config, broker, produce
+from bench.bench_kafka import PARTITIONS, PAYLOAD, _spread, bench_config, broker, produce
 from bench.common import NO_BREAKER, NO_BREAKER_NOTE, BenchTimeout, record
-from bridge.config import BridgeConfig
+from bridge.config import BridgeConfig, load_config
 from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics
 from localkafka.broker import free_port
 
@@ -71,39 +72,67 @@ def _pids(port: int, bridge: subprocess.Popen[bytes]) -> list[int]:
     return [bridge.pid, *(c["pid"] for c in children.values() if c.get("pid"))]
 
 
-def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, family: str,
-               **labels: str) -> tuple[float, float, list[float]]:
-    """`rdq run --processes P` on a fresh group and store until `family{labels}` counts n: (steady records/s,
-    wall s from the start, RSS MiB of each process)."""
+def _cpu_busy() -> tuple[float, float]:
+    """The machine's busy and total CPU time so far (jiffies, every core), from /proc/stat."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+SETTLE = 8.0  # seconds after /readyz answers 200: every child joined and the group's assignment is final
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload: bytes, family: str,
+               **labels: str) -> tuple[float, float, list[float], float]:
+    """`rdq run --processes P` on a fresh topic, group and store: once it is ready and its group settled, n
+    records are produced, and it runs until `family{labels}` counts n. Returns (steady records/s, wall s from the
+    first record produced, RSS MiB of each process, the machine's CPU busy share during the steady phase)."""
     unique = uuid.uuid4().hex[:6]
     port = free_port()
     tree = config.file_tree()
+    topic = f"{config.queues['q'].sources[0]}-{unique}"
+    tree["queues"]["q"]["sources"] = [topic]
     tree["kafka"]["group_id"] = f"{config.kafka.group_id}-{unique}"
     tree["store"]["path"] = str(tmp / f"{unique}.db")
     tree.setdefault("telemetry", {})["port"] = port
     path = tmp / f"{unique}.yaml"
     path.write_text(yaml.safe_dump(tree))
-    began = time.perf_counter()
+    ensure_topics(load_config(path))
+    log = tmp / f"{unique}.log"
     bridge = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(path), "--processes",
-                               str(processes)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=(tmp / f"{unique}.log").open("wb"))
-    first: tuple[float, float] | None = None
+                               str(processes)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
+        _wait_for(lambda: _ready(port), bridge, f"rdq run --processes {processes} ready (its log: {log})")
+        time.sleep(SETTLE)
+        began = time.perf_counter()
+        producer = threading.Thread(target=produce, args=(config.kafka.bootstrap_servers, topic, n, payload))
+        producer.start()
+        first: tuple[float, float, tuple[float, float]] | None = None
         while True:
             counted = _metric_sum(port, family, **labels)
             now = time.perf_counter()
             if counted and first is None:
-                first = (now, counted)
+                first = (now, counted, _cpu_busy())
             if counted >= n and first is not None:
                 break
             if now - began > WITHIN or bridge.poll() is not None:
                 raise BenchTimeout(f"rdq run --processes {processes} counted {counted:.0f} of {n} {family} within "
-                                   f"{now - began:.0f} s (exit {bridge.poll()}; its log: {tmp / unique}.log)")
+                                   f"{now - began:.0f} s (exit {bridge.poll()}; its log: {log})")
             time.sleep(0.05)
+        producer.join()
+        busy, total = (b - a for a, b in zip(first[2], _cpu_busy(), strict=True))
         # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
         steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
         rss = [_rss_mib(pid) for pid in _pids(port, bridge)]
-        return steady, now - began, rss
+        return steady, now - began, rss, busy / total if total else 0.0
     finally:
         bridge.send_signal(signal.SIGTERM)
         try:
@@ -112,31 +141,43 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, family: 
             bridge.kill()
 
 
+def _wait_for(predicate: Any, bridge: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + WITHIN
+    while not predicate():
+        if time.monotonic() > deadline or bridge.poll() is not None:
+            raise BenchTimeout(f"timed out waiting for {what} (exit {bridge.poll()})")
+        time.sleep(0.1)
+
+
 # ---- the failure path: processes 2 vs 1 ------------------------------------------------------------------------
 
 
 def bench_failure(bootstrap: str, n: int, runs: int) -> None:
     rates: dict[int, list[float]] = {1: [], 2: []}
+    busy: dict[int, list[float]] = {1: [], 2: []}
     ratios: list[float] = []
     rss: list[str] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config = bench_config(bootstrap, Path(tmp), {"handler": "flaky", "max_attempts": 5,
                                                      "backoff": {"kind": "fixed", "base": "1h"}, **NO_BREAKER})
-        ensure_topics(config)
-        produce(bootstrap, config.queues["q"].sources[0], n, FAILING)
         for _ in range(runs):
             for processes in (1, 2):
-                rate, _, sizes = run_bridge(config, Path(tmp), processes, n, "rdq_tasks_created", status="PENDING")
+                rate, _, sizes, cpu = run_bridge(config, Path(tmp), processes, n, FAILING, "rdq_tasks_created",
+                                                 status="PENDING")
                 rates[processes].append(rate)
+                busy[processes].append(cpu)
                 rss.append(f"{processes}: " + "/".join(f"{s:.0f}" for s in sizes))
             ratios.append(rates[2][-1] / rates[1][-1])
     record("failure path on every core: processes 2 vs 1 (every first attempt fails and is stored durably)", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; each becomes a PENDING task with its first attempt; {runs} "
-        "runs, each: `rdq run --processes 1`, then `--processes 2`, fresh group and store",
+        "runs, each: `rdq run --processes 1`, then `--processes 2`, on a fresh topic, group and store; the "
+        f"records produced once it is ready and its group settled ({SETTLE:.0f} s)",
         "production defaults (changelog on, synchronous=FULL) but the " + NO_BREAKER_NOTE,
         f"baseline, processes 1: {_spread(rates[1])} records/s",
         f"processes 2: {_spread(rates[2])} records/s; ratio to 1 process min/median/max {_spread(ratios, '.2f')}  "
         "(goal >= 1.6)",
+        f"the machine's CPU busy during the steady phase (every core; the broker runs here too): processes 1 "
+        f"{_spread([b * 100 for b in busy[1]])} %, processes 2 {_spread([b * 100 for b in busy[2]])} %",
         f"RSS MiB per process (processes: supervisor/children): {'; '.join(rss)}",
     ])
 
@@ -145,14 +186,14 @@ def bench_failure(bootstrap: str, n: int, runs: int) -> None:
 
 
 def _bare_member(bootstrap: str, topic: str, group: str, n: int, out: Any) -> None:
-    """One member of a bare group: consume, run nothing but a JSON decode, store offsets; report the time of its
-    first and last record (it stops after 3 s without a record, or at n)."""
+    """One member of a bare group: consume, run nothing but a JSON decode, store offsets; says when it has its
+    assignment, then reports the time of its first and last record (it stops after 3 s without one, or at n)."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
                          "enable.auto.offset.store": False, "partition.assignment.strategy": "cooperative-sticky",
                          "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
-    consumer.subscribe([topic])
+    consumer.subscribe([topic], on_assign=lambda c, partitions: out.put(("assigned", len(partitions))))
     seen, first, last, idle_since = 0, 0.0, 0.0, time.monotonic()
-    while seen < n and time.monotonic() - idle_since < (3.0 if seen else 60.0):
+    while seen < n and time.monotonic() - idle_since < (3.0 if seen else WITHIN):
         messages = [m for m in consumer.consume(500, 0.2) if m.error() is None]
         for msg in messages:
             json.loads(msg.value())
@@ -162,48 +203,71 @@ def _bare_member(bootstrap: str, topic: str, group: str, n: int, out: Any) -> No
             last, seen, idle_since = now, seen + len(messages), time.monotonic()
             consumer.store_offsets(messages[-1])
     consumer.close()
-    out.put((seen, first, last))
+    out.put(("done", (seen, first, last)))
 
 
-def bare_pair(bootstrap: str, topic: str, n: int) -> float:
-    """Two bare members in two processes of one group: records/s from the first record of either to the last."""
-    group = f"bare-pair-{uuid.uuid4().hex[:6]}"
-    queue: Any = multiprocessing.get_context("spawn").Queue()
-    members = [multiprocessing.get_context("spawn").Process(target=_bare_member, args=(bootstrap, topic, group, n,
-                                                                                       queue)) for _ in range(2)]
+def bare_pair(config: BridgeConfig, n: int) -> tuple[float, float]:
+    """Two bare members in two processes of one group on a fresh topic; once both hold partitions and the group
+    settled, n records are produced (as for the bridge). Returns (records/s from the first record of either to
+    the last, the machine's CPU busy share meanwhile)."""
+    bootstrap = config.kafka.bootstrap_servers
+    topic = f"{config.queues['q'].sources[0]}-bare-{uuid.uuid4().hex[:6]}"
+    ensure_topics(config.model_copy(update={"queues": {"q": config.queues["q"].model_copy(
+        update={"sources": [topic]})}}))
+    context = multiprocessing.get_context("spawn")
+    queue: Any = context.Queue()
+    members = [context.Process(target=_bare_member, args=(bootstrap, topic, f"bare-{topic}", n, queue))
+               for _ in range(2)]
     for member in members:
         member.start()
-    reports = [queue.get(timeout=WITHIN) for _ in members]
+    events: list[tuple[str, Any]] = []
+    while sum(1 for kind, count in events if kind == "assigned" and count) < 2:
+        events.append(queue.get(timeout=WITHIN))
+    time.sleep(SETTLE)
+    before = _cpu_busy()
+    produce(bootstrap, topic, n)
+    reports = []
+    while len(reports) < 2:
+        kind, report = queue.get(timeout=WITHIN)
+        if kind == "done":
+            reports.append(report)
+    busy, total = (b - a for a, b in zip(before, _cpu_busy(), strict=True))
     for member in members:
         member.join(30)
     seen = sum(r[0] for r in reports)
     if seen < n:
         raise BenchTimeout(f"the bare pair consumed {seen} of {n} records")
-    return n / (max(r[2] for r in reports) - min(r[1] for r in reports if r[1]))
+    return n / (max(r[2] for r in reports) - min(r[1] for r in reports if r[1])), busy / total if total else 0.0
 
 
 def bench_happy(bootstrap: str, n: int, runs: int) -> None:
     bare: list[float] = []
     bridge: list[float] = []
+    busy: list[float] = []
+    bare_busy: list[float] = []
     ratios: list[float] = []
     rss: list[str] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
-        ensure_topics(config)
-        produce(bootstrap, config.queues["q"].sources[0], n)
         for _ in range(runs):
-            bare.append(bare_pair(bootstrap, config.queues["q"].sources[0], n))
-            rate, _, sizes = run_bridge(config, Path(tmp), 2, n, "rdq_attempts", outcome="SUCCESS")
+            rate, cpu = bare_pair(config, n)
+            bare.append(rate)
+            bare_busy.append(cpu)
+            rate, _, sizes, cpu = run_bridge(config, Path(tmp), 2, n, PAYLOAD, "rdq_attempts", outcome="SUCCESS")
+            busy.append(cpu)
             bridge.append(rate)
             ratios.append(rate / bare[-1])
             rss.append("/".join(f"{s:.0f}" for s in sizes))
     record("happy path on every core: processes 2 vs a bare loop of 2 members", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; {runs} runs, each: two bare confluent-kafka members (two "
         "processes, one group: batch consume, JSON decode, store_offsets), then `rdq run --processes 2` with the "
-        "ok handler (production defaults, changelog on), fresh group and store",
+        "ok handler (production defaults, changelog on); each on a fresh topic and group, the records produced "
+        f"once every member holds partitions and the group settled ({SETTLE:.0f} s)",
         f"baseline, the bare pair: {_spread(bare)} records/s",
         f"bridge, processes 2: {_spread(bridge)} records/s; ratio min/median/max {_spread(ratios, '.2f')}  "
         "(goal >= 0.8)",
+        f"the machine's CPU busy (every core; the broker and the producer run here too): the bare pair "
+        f"{_spread([b * 100 for b in bare_busy])} %, the bridge {_spread([b * 100 for b in busy])} %",
         f"RSS MiB per bridge process (supervisor/children): {'; '.join(rss)}",
     ])
 
