@@ -1,6 +1,6 @@
 """The bridge as users install it: a wheel built from the checkout, installed into a fresh virtualenv outside it,
-and `rdq run` from there on the real broker (a record succeeds, one dead-letters). Every other test imports the
-editable checkout, so a file the wheel forgets (the schema migrations once) is seen only here."""
+and `rdq run --processes 2` from there on the real broker (a record succeeds, one dead-letters). Every other test
+imports the editable checkout, so a file the wheel forgets (the schema migrations once) is seen only here."""
 
 from __future__ import annotations
 
@@ -80,8 +80,10 @@ def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique
                            capture_output=True, text=True, cwd=workdir, env=env, check=True).stdout
     assert str(tmp_path / "venv") in where and str(ROOT) not in where, where
     log = (workdir / "bridge.log").open("wb")
-    proc = subprocess.Popen([str(rdq), "run", "--config", str(config_path)], cwd=workdir, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    # Two processes: the supervisor's children are started from the installed package too (`python -m
+    # bridge.cli` of the venv's interpreter), each with its own store file.
+    proc = subprocess.Popen([str(rdq), "run", "--config", str(config_path), "--processes", "2"], cwd=workdir,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         produce(config, f"good-{unique}", [(b"k1", b'{"n": 1}', [])])
         produce(config, f"bad-{unique}", [(b"k2", b'{"n": 2}', [])])
@@ -94,8 +96,11 @@ def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique
         succeeded = example_log(example_log_path)
         assert [(e["handler"], f"good-{unique}/" in e["source"]) for e in succeeded] == [("ok", True)], succeeded
         assert proc.poll() is None, (workdir / "bridge.log").read_text(errors="replace")
+        assert (workdir / "rdq-0.db").exists() and (workdir / "rdq-1.db").exists()
         proc.terminate()
         assert proc.wait(60) == 0, (workdir / "bridge.log").read_text(errors="replace")
+        text = (workdir / "bridge.log").read_text(errors="replace")
+        assert "child 0 stopped (exit 0)" in text and "child 1 stopped (exit 0)" in text, text
     finally:
         proc.kill()
         log.close()

@@ -240,3 +240,35 @@ def test_a_crash_looping_child_backs_off_unready_and_a_killed_supervisor_leaves_
         assert "the supervisor is gone: child 0 stopping" in supervisor.tail(200)
     finally:
         supervisor.kill()
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_more_processes_than_partitions_leave_a_child_idle_and_ready(kafka: KafkaEnv, tmp_path: Path,
+                                                                      unique: str) -> None:
+    """Two children, one source partition: one child owns it, the other owns nothing and is ready all the same
+    (an idle child is not a fault); every record is handled."""
+    topic = f"in-{unique}"
+    log_path = tmp_path / "example.log"
+    config = _supervised(kafka, tmp_path, unique, {"q": {"handler": "ok", "sources": [topic]}},
+                         engine={"processes": 2})
+    config = config.model_copy(update={"kafka": config.kafka.model_copy(update={"topic_partitions": 1})})
+    port = config.telemetry.port
+    assert port is not None
+    ensure_topics(config)
+    supervisor = BridgeProcess(config, tmp_path / "bridge.yaml", {"RDQ_EXAMPLE_LOG": str(log_path)}).start()
+    try:
+        _wait(lambda: _get(port, "/readyz")[0] == 200, 90, "both children ready", supervisor)
+        from tests.kafka_helpers import produce
+
+        produce(config, topic, [(f"k{i}".encode(), b"{}", []) for i in range(50)])
+        _wait(lambda: log_path.exists() and len(log_path.read_text().splitlines()) >= 50, 60, "50 successes",
+              supervisor)
+        metrics = _get(port, "/metrics")[1]
+        consumed = {p: f'rdq_records_consumed_total{{process="{p}",queue="q"}} 50.0' in metrics for p in "01"}
+        assert sorted(consumed.values()) == [False, True], metrics  # one child did all of it
+        status, body = _get(port, "/readyz")
+        assert status == 200 and all(c["ready"] for c in body["children"].values()), body
+        assert supervisor.terminate(timeout=60) == 0, supervisor.tail(60)
+    finally:
+        supervisor.kill()
