@@ -442,13 +442,14 @@ class _Clock:
 @pytest.mark.slow
 async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(stoppable_broker: Any,
                                                                                tmp_path: Path) -> None:
-    """The broker goes away as a partition starts restoring: the partition stays unready, nothing of it is
-    consumed or run, and the restore completes when the broker is back (the partition assigned again)."""
+    """The broker goes away as an assignment's partitions start restoring (all at once, one consumer): every
+    partition stays unready, nothing of them is consumed or run, and each restore completes when the broker is
+    back (the partitions assigned again); none is marked ready early."""
     broker = stoppable_broker
     unique = uuid.uuid4().hex[:10]
     config = kafka_config(broker.bootstrap_servers, tmp_path / "one", unique, {
         "q": {"handler": "flaky", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}",
-              "backoff": {"kind": "fixed", "base": "1h"}}}, kafka={"topic_partitions": 1}, telemetry={"port": 0})
+              "backoff": {"kind": "fixed", "base": "1h"}}}, kafka={"topic_partitions": 3}, telemetry={"port": 0})
     ensure_topics(config)
     produce(config, f"in-{unique}", [(f"k{i}".encode(), b'{"fail": 5}', []) for i in range(20)])
     async with running_bridge(config) as first:
@@ -456,7 +457,7 @@ async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(st
                          within=60, what="20 tasks")
     # The first bridge handed its tasks over (its file is empty); a second one on a fresh store restores them.
     config = config.model_copy(update={"store": config.store.model_copy(update={"path": tmp_path / "two.db"})})
-    tp = (f"in-{unique}", 0)
+    partitions = [(f"in-{unique}", p) for p in range(3)]
     async with running_bridge(config, instance_id="second") as second:
         assert second.changelog is not None and second.health is not None
         restore_many = second.changelog.restorer.restore_many
@@ -472,11 +473,12 @@ async def test_a_restore_waits_for_the_broker_and_the_partition_stays_unready(st
         second.changelog.restorer.restore_many = broker_goes_away  # type: ignore[method-assign]
         await wait_until(lambda: calls >= 1, within=60, what="the restore begun")
         for _ in range(20):  # the outage: the partition is never ready, nothing of it runs or is consumed
-            assert not second.consumer.owns(*tp) and not second.health.ready
+            assert not any(second.consumer.owns(*tp) for tp in partitions) and not second.health.ready
             assert second.consumer.stats["records"] == 0 and await second.store.counts() == {}
             await asyncio.sleep(0.5)
         await asyncio.to_thread(broker.start)
-        await wait_until(lambda: second.consumer.owns(*tp), within=120, what="restored once the broker is back")
+        await wait_until(lambda: all(second.consumer.owns(*tp) for tp in partitions), within=120,
+                         what="every partition restored once the broker is back")
         counts = await second.store.counts()
         assert counts["q"]["PENDING"] == 20
         await wait_until(lambda: second.health is not None and second.health.ready, within=60, what="ready")

@@ -1,5 +1,5 @@
 """An assignment's restore from the changelog (SPEC §10): every partition of it at once (one restore consumer),
-each ready as soon as its own end is reached; a partition whose restore failed retried alone, with a backoff.
+each ready as soon as its own end is reached; the partitions whose restore failed retried together, with a backoff.
 A restore belongs to one assignment (its partitions' state objects): lost meanwhile, it neither goes on nor
 makes the partition ready."""
 
@@ -94,7 +94,7 @@ class Restores:
     async def _restore_all(self, states: list[PartitionState], losing: Sequence[concurrent.futures.Future[None]],
                            ) -> None:
         """The assignment's partitions restore at once (one consumer); each is ready as soon as its own restore
-        ends. One that failed (the broker away, its changelog topic not there yet) is retried alone, with a
+        ends. Those that failed (the broker away, a changelog topic not there yet) are retried together, with a
         backoff. A partition lost and assigned again at once (a static member back within its session): its
         restore waits for the lost one's clean-up, which drops what this file held of it."""
         assert self.changelog is not None
@@ -110,32 +110,34 @@ class Restores:
         current = self._restoring_now(states)
         failed = await self.changelog.restorer.restore_many(
             sorted(tps), current, functools.partial(self._restored_one, starts=starts, current=current))
+        self._unrestored(failed, current)
+        await self._retry(set(failed), current)
+        await self._drop_strangers()
+
+    @staticmethod
+    def _unrestored(failed: dict[TP, Exception], current: Callable[[TP], bool]) -> None:
         for tp in sorted(failed):
             if current(tp):
                 log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, failed[tp])
-                await self._restore_one(tp, current)
-        await self._drop_strangers()
 
-    async def _restore_one(self, tp: TP, current: Callable[[TP], bool]) -> None:
-        """One partition's restore, again and again (with a backoff) until it succeeds or the partition goes."""
+    async def _retry(self, tps: set[TP], current: Callable[[TP], bool]) -> None:
+        """The partitions whose restore failed, again together (one consumer; each ready as soon as its own end is
+        read), with a backoff, until each succeeded or went: after an outage every one resumes when the broker
+        is back, none waits behind another's retries."""
         assert self.changelog is not None
-        backoff = Backoff(0.5, 10.0)
-        while current(tp):
+        restorer, backoff = self.changelog.restorer, Backoff(0.5, 10.0)
+        while tps := {tp for tp in tps if current(tp)}:
             await backoff.sleep()
+            if any(tp[0] not in restorer.topics for tp in tps) and self.changelog.ensure_topics is not None:
+                with contextlib.suppress(Exception):  # the topic's check says why, in the next log line
+                    await self.changelog.ensure_topics()
             try:
-                report = await self.changelog.restorer.restore(tp, wanted=lambda: current(tp))
-                await self._restored_one(report, current=current)
-                return
+                failed = await restorer.restore_many(sorted(tps), current,
+                                                     functools.partial(self._restored_one, current=current))
             except (RestoreFailed, KafkaException, StoreError) as e:
-                if not current(tp):
-                    return
-                if tp[0] not in self.changelog.restorer.topics and self.changelog.ensure_topics is not None:
-                    with contextlib.suppress(Exception):  # the topic's check says why, in the next log line
-                        await self.changelog.ensure_topics()
-                    if tp[0] in self.changelog.restorer.topics:
-                        backoff.delay = 0.0
-                        continue
-                log.error("cannot restore %s/%d yet (it stays unready and unconsumed; retrying): %s", *tp, e)
+                failed = dict.fromkeys(tps, e)
+            self._unrestored(failed, current)
+            tps = set(failed)
 
     async def _restored_one(self, report: RestoreReport, current: Callable[[TP], bool],
                             starts: asyncio.Future[dict[TP, int | None]] | None = None) -> None:
