@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-_EXTRA_FIELDS = ("task_id", "queue", "attempt", "outcome", "topic", "partition", "offset", "instance")
+_EXTRA_FIELDS = ("task_id", "queue", "attempt", "outcome", "topic", "partition", "offset", "instance", "child")
 
 
 class JsonFormatter(logging.Formatter):
@@ -57,3 +57,15 @@ def setup_logging(level: str = "INFO", fmt: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def tag_child(index: int) -> None:
+    """Under a supervisor (`engine.processes`) the children share its stderr: each of a child's lines says which
+    child wrote it (`"child": i`)."""
+
+    def tag(record: logging.LogRecord) -> bool:
+        record.child = index
+        return True
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(tag)

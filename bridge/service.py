@@ -44,6 +44,7 @@ from bridge.kafka_clients import (
     topic_max_message_bytes,
 )
 from bridge.live_config import LiveConfig
+from bridge.logs import tag_child
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
 from bridge.source.consumer import SourceConsumer
@@ -234,6 +235,7 @@ async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asy
     lifeline = Lifeline(child) if child is not None else None
     if lifeline is not None:  # under a supervisor: stop when it is gone, before the start too
         lifeline.watch(asyncio.get_running_loop(), stop)
+        tag_child(lifeline.spec.index)
     bridge = await open_bridge(config, registry, config_path, stop=stop)
     store = bridge.store
     _install_signals(asyncio.get_running_loop(), stop, bridge.live)

@@ -194,7 +194,11 @@ def test_two_processes_share_the_partitions_and_a_child_killed_with_sigkill_lose
         pids = [p for p in _child_pids(port).values() if p is not None]
         assert supervisor.terminate(timeout=60) == 0, supervisor.tail(60)
         assert all(_gone(p) for p in pids)
-        assert "child 0 stopped (exit 0)" in supervisor.tail(200) and "child 1 stopped (exit 0)" in supervisor.tail(200)
+        log = supervisor.tail(400)
+        assert "child 0 stopped (exit 0)" in log and "child 1 stopped (exit 0)" in log
+        # The children share the supervisor's stderr: each of their lines says which child wrote it.
+        lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        assert {line.get("child") for line in lines if line["logger"] == "bridge.service"} == {0, 1}, log
     finally:
         supervisor.kill()
 

@@ -47,10 +47,14 @@ class Child:
         keeps dying young (a crash loop takes neither the supervisor nor its siblings down)."""
         while not stopping.is_set():
             started = time.monotonic()
-            await self._spawn()
-            if stopping.is_set():  # the signal came while it was being spawned: it never saw it
-                self.signal(signal.SIGTERM)
-            code = await self._wait()
+            try:
+                await self._spawn()
+            except OSError as e:  # no process at all (the interpreter gone, no memory): a death like another
+                code: int | str = f"no start ({e})"
+            else:
+                if stopping.is_set():  # the signal came while it was being spawned: it never saw it
+                    self.signal(signal.SIGTERM)
+                code = await self._wait()
             if stopping.is_set():
                 log.info("child %d stopped (exit %s)", self.index, code)
                 break
@@ -58,7 +62,7 @@ class Child:
             self.restarts += 1
             self._on_restart(self.index)
             log.error("child %d (pid %s) exited with %s; restarting in %.1f s (restart %d)", self.index,
-                      self.proc.pid if self.proc else "?", code, self.delay, self.restarts)
+                      self.proc.pid if self.proc else "-", code, self.delay, self.restarts)
             self.state = "waiting"
             await first_of(stopping, timeout=self.delay)
             self.delay = min(self.delay * 2, MAX_RESTART_DELAY)
@@ -77,6 +81,12 @@ class Child:
                 sys.executable, "-m", "bridge.cli", "run", "--config", str(self.config_path),
                 env={**os.environ, CHILD_ENV: spec.to_env()}, pass_fds=(lifeline_read, report_write),
                 start_new_session=True)
+        except OSError:
+            self.proc = None
+            os.close(report_read)
+            os.close(self._lifeline)
+            self._lifeline = None
+            raise
         finally:
             os.close(lifeline_read)
             os.close(report_write)
