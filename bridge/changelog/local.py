@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from bridge.changelog.codec import Restored, Unreadable, decode, encode
+from bridge.changelog.codec import Picked, Restored, encode, pick_last
 from bridge.store.database import dict_rows
 from bridge.store.queries import q
 from bridge.store.tasks import Store
@@ -58,16 +58,6 @@ def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
         yield
     finally:
         conn.execute(q("restore_guard_off"))
-
-
-def _task_id_of(key: bytes | None) -> str | None:
-    """The task an unreadable record is of: its record key (the task id; compaction keeps a key's last record)."""
-    if not key:
-        return None
-    try:
-        return key.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
 
 
 class LocalIndex:
@@ -356,50 +346,3 @@ class LocalIndex:
     async def unreadable_counts(self) -> dict[str, int]:
         rows = await self.store.db.scan(lambda c: c.execute(q("unreadable_count")).fetchall())
         return {f"{r[0]}/{r[1]}": r[2] for r in rows}
-
-
-@dataclass
-class Picked:
-    """A batch of changelog records reduced to each task's last word (`pick_last`), decoded off the store's thread.
-
-    `last`: each task's state (None: a tombstone); `held`: tasks whose last record cannot be read (offset, why;
-    quarantined); `raw`: each readable last record as read; `unreadable`: every unreadable record (offset, key,
-    value, why), kept in changelog_unreadable."""
-
-    last: dict[str, Restored | None]
-    held: dict[str, tuple[int, str]]
-    raw: dict[str, tuple[int, bytes | None, bytes]]
-    unreadable: list[tuple[int, bytes | None, bytes, str]]
-    applied: int = 0
-    tombstones: int = 0
-
-
-def pick_last(records: list[tuple[int, bytes | None, bytes | None]]) -> Picked:
-    """Each task's last record of the batch, in log order (pure: no store). A later record holds a task's whole
-    state, so only the last counts."""
-    picked = Picked({}, {}, {}, [])
-    last, held = picked.last, picked.held
-    for offset, key, value in records:
-        if value is None:
-            task_id = (key or b"").decode("utf-8", "replace")
-            last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
-            last[task_id] = None
-            held.pop(task_id, None)
-            picked.tombstones += 1
-            continue
-        try:
-            restored = decode(key, value)
-        except Unreadable as e:
-            picked.unreadable.append((offset, key, value, str(e)))
-            owner = _task_id_of(key)
-            if owner is not None:
-                last.pop(owner, None)
-                held[owner] = (offset, str(e))
-            continue
-        task_id = restored.task["id"]
-        last.pop(task_id, None)
-        last[task_id] = restored
-        held.pop(task_id, None)
-        picked.raw[task_id] = (offset, key, value)
-        picked.applied += 1
-    return picked
