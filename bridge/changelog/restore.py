@@ -96,6 +96,7 @@ class _Fetched:
     batches: dict[Changelog, tuple[Picked, int]] = field(default_factory=dict)
     reached: dict[Changelog, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
     def reach(self, key: Changelog, offset: int) -> None:
         self.reached[key] = max(self.reached.get(key, -1), offset)
@@ -113,6 +114,9 @@ class Restorer:
         # transaction (a crashed owner's), and a restore that stopped there would miss it.
         self._end_factory = end_factory or consumer_factory
         self._thread = OneThread("rdq-restore")
+        # Where a restore's time goes: fetching and decoding (the restore thread), applying (the store), and the
+        # wait for a fetch the store did not hide (the pipeline's stall). The bench prints them.
+        self.seconds = {"fetch": 0.0, "apply": 0.0, "waited": 0.0}
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._thread.call(fn, *args)
@@ -199,7 +203,10 @@ class Restorer:
                         await self._leave(consumer, reading, key)
                 if not reading:
                     return
+                began = time.monotonic()
                 fetched = await fetching
+                self.seconds["waited"] += time.monotonic() - began
+                self.seconds["fetch"] += fetched.seconds
                 fetching = asyncio.ensure_future(self._call(self._fetch, consumer, frozenset(reading)))
                 await self._apply(fetched, reading, consumer, failed)
                 for key, part in list(reading.items()):
@@ -219,6 +226,7 @@ class Restorer:
             part = reading.get(key)
             if part is None:
                 continue  # finished or given up while this batch was fetched
+            began = time.monotonic()
             try:
                 applied = await self.local.restore_batch(part.home, part.topic, picked, part.seen,
                                                          self.clock.now_ms(), errors, part.existing)
@@ -227,6 +235,7 @@ class Restorer:
                 failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
                 await self._leave(consumer, reading, key)
                 continue
+            self.seconds["apply"] += time.monotonic() - began
             part.count(applied, records)
             for why in errors:
                 log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s", why)
@@ -238,7 +247,7 @@ class Restorer:
         tasks' last records (decoded here, not on the store's thread), and how far each partition was read: by
         its records, end-of-partition events and the consumer's position, which steps over the commit markers
         (a changelog whose last record is a marker is at its end once its position is)."""
-        fetched = _Fetched()
+        fetched, began = _Fetched(), time.monotonic()
         records: dict[Changelog, list[tuple[int, bytes | None, bytes | None]]] = {}
         for msg in consumer.consume(_BATCH, _POLL):
             key, offset = (msg.topic(), msg.partition()), msg.offset()
@@ -256,6 +265,7 @@ class Restorer:
             if tp.error is None and tp.offset >= 0:
                 fetched.reach((tp.topic, tp.partition), tp.offset)
         fetched.batches = {key: (pick_last(batch), len(batch)) for key, batch in records.items()}
+        fetched.seconds = time.monotonic() - began
         return fetched
 
     async def _stalled_at_markers(self, consumer: Consumer, part: _Restoring) -> bool:
