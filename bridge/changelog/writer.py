@@ -60,6 +60,7 @@ class ChangelogWriter:
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
         self._rounds = 0  # rounds that succeeded
+        self._round_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (rounds to reach, woken then)
         self._abort_failures = 0  # aborts failed in a row
         self._round_failures = 0  # rounds failed in a row, fenced ones not counted
         self.healthy = True
@@ -90,14 +91,30 @@ class ChangelogWriter:
         self._kick.set()
         try:
             during = await asyncio.wait_for(done, within)
-            while self._rounds < during + 2:  # the round that logged it ends, then one that reads offsets after
-                if loop.time() >= deadline:
-                    return False
-                self._kick.set()
-                await asyncio.sleep(min(0.02, max(0.0, deadline - loop.time())))
+            # The round that logged it ends, then one that reads offsets after: woken by the round's end, not by
+            # polling (a poll every 20 ms was most of a retry's wait once the rounds themselves were quick).
+            await asyncio.wait_for(self._rounds_reached(during + 2), max(0.0, deadline - loop.time()))
         except TimeoutError:
             return False
         return True
+
+    async def _rounds_reached(self, target: int) -> None:
+        if self._rounds >= target:
+            return
+        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._round_waiters.append((target, reached))
+        self._kick.set()  # the next round now, not after the commit interval
+        try:
+            await reached
+        finally:
+            self._round_waiters = [(t, f) for t, f in self._round_waiters if f is not reached]
+
+    def _round_ended(self) -> None:
+        for target, reached in self._round_waiters:
+            if self._rounds >= target and not reached.done():
+                reached.set_result(None)
+        if any(not f.done() for _, f in self._round_waiters):
+            self._kick.set()  # a claim waits for another round
 
     def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
                     headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
@@ -182,6 +199,7 @@ class ChangelogWriter:
                 self._rounds += ok  # a round that succeeded: its offsets, read at its start, are committed
                 if ok:
                     self._round_failures = 0
+                    self._round_ended()
                 return ok
             except StoreError as e:
                 log.error("changelog round failed on the store (retrying): %s", e)
