@@ -38,6 +38,33 @@ _ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: t
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
+class RoundWaiters:
+    """Who waits for the writer's count of successful rounds to reach a number (a claim waits for two)."""
+
+    def __init__(self, kick: asyncio.Event) -> None:
+        self._kick = kick  # set: the writer's next round starts now, not after the commit interval
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+
+    async def reach(self, target: int, rounds: int) -> None:
+        if rounds >= target:
+            return
+        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((target, reached))
+        self._kick.set()
+        try:
+            await reached
+        finally:
+            self._waiting = [(t, f) for t, f in self._waiting if f is not reached]
+
+    def ended(self, rounds: int) -> None:
+        """A round succeeded: wake who waited for this count; another round at once if someone still waits."""
+        for target, reached in self._waiting:
+            if rounds >= target and not reached.done():
+                reached.set_result(None)
+        if any(not f.done() for _, f in self._waiting):
+            self._kick.set()
+
+
 class ChangelogWriter:
     def __init__(self, local: LocalIndex, topics: dict[str, str], producer_factory: Callable[[], Producer],
                  offsets: Callable[[], dict[Home, int]], group_metadata: Callable[[], Any | None], clock: Clock,
@@ -60,7 +87,7 @@ class ChangelogWriter:
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
         self._rounds = 0  # rounds that succeeded
-        self._round_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (rounds to reach, woken then)
+        self._round_waiters = RoundWaiters(self._kick)
         self._abort_failures = 0  # aborts failed in a row
         self._round_failures = 0  # rounds failed in a row, fenced ones not counted
         self.healthy = True
@@ -93,28 +120,11 @@ class ChangelogWriter:
             during = await asyncio.wait_for(done, within)
             # The round that logged it ends, then one that reads offsets after: woken by the round's end, not by
             # polling (a poll every 20 ms was most of a retry's wait once the rounds themselves were quick).
-            await asyncio.wait_for(self._rounds_reached(during + 2), max(0.0, deadline - loop.time()))
+            await asyncio.wait_for(self._round_waiters.reach(during + 2, self._rounds),
+                                   max(0.0, deadline - loop.time()))
         except TimeoutError:
             return False
         return True
-
-    async def _rounds_reached(self, target: int) -> None:
-        if self._rounds >= target:
-            return
-        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._round_waiters.append((target, reached))
-        self._kick.set()  # the next round now, not after the commit interval
-        try:
-            await reached
-        finally:
-            self._round_waiters = [(t, f) for t, f in self._round_waiters if f is not reached]
-
-    def _round_ended(self) -> None:
-        for target, reached in self._round_waiters:
-            if self._rounds >= target and not reached.done():
-                reached.set_result(None)
-        if any(not f.done() for _, f in self._round_waiters):
-            self._kick.set()  # a claim waits for another round
 
     def produce_dlq(self, task_id: str, home: Home | None, topic: str, key: bytes | None, value: bytes,
                     headers: list[tuple[str, bytes | None]], on_delivery: Delivered) -> None:
@@ -199,7 +209,7 @@ class ChangelogWriter:
                 self._rounds += ok  # a round that succeeded: its offsets, read at its start, are committed
                 if ok:
                     self._round_failures = 0
-                    self._round_ended()
+                    self._round_waiters.ended(self._rounds)
                 return ok
             except StoreError as e:
                 log.error("changelog round failed on the store (retrying): %s", e)
