@@ -32,7 +32,7 @@ from confluent_kafka import Consumer
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.bench_kafka import PARTITIONS, PAYLOAD, _spread, bench_config, broker, produce
-from bench.common import NO_BREAKER, NO_BREAKER_NOTE, SMOKE, BenchTimeout, record
+from bench.common import NO_BREAKER, NO_BREAKER_NOTE, SMOKE, BenchTimeout, record, rss_mib
 from bridge.config import BridgeConfig, load_config
 from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics
 from localkafka.broker import free_port
@@ -40,16 +40,6 @@ from localkafka.broker import free_port
 ROOT = Path(__file__).resolve().parent.parent
 FAILING = b'{"fail": 99, "pad": "' + b"x" * 1000 + b'"}'  # ~1 KB; the flaky example handler fails it every time
 WITHIN = 600.0
-
-
-def _rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _metric_sum(port: int, family: str, **labels: str) -> float:
@@ -133,7 +123,7 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
         busy, total = (b - a for a, b in zip(first[2], _cpu_busy(), strict=True))
         # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
         steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
-        rss = [_rss_mib(pid) for pid in _pids(port, bridge)]
+        rss = [rss_mib(pid) for pid in _pids(port, bridge)]
         return steady, now - began, rss, busy / total if total else 0.0
     finally:
         bridge.send_signal(signal.SIGTERM)

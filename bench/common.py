@@ -21,10 +21,14 @@ class BenchTimeout(RuntimeError):
     """A bench that does not finish is a failed bench: it ends with this, saying what it waited for."""
 
 
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
+def rss_mib(pid: int | str = "self") -> float:
+    """The resident memory of this process, or of `pid` (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return 0.0
 
 
