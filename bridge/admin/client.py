@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -77,12 +78,16 @@ class AdminSession:
         self._group_size: int | None = None
         self._sent: set[bytes] = set()  # this session's request ids
         self._kept: dict[bytes, list[dict[str, Any]]] = {}  # replies read while collecting another request's
+        # Requests may be sent and collected from several threads at once (the console): one reads the replies at
+        # a time, and keeps those of the others' requests for them.
+        self._reading = threading.Lock()
+        self.poll_seconds = 0.2  # one read of the replies waits this long when fewer than a batch arrived
 
-    def group_size(self) -> int | None:
+    def group_size(self, fresh: bool = False) -> int | None:
         """How many bridge instances there are: the members of their consumer group (`kafka.group_id`; the admin
         topic is read by assignment, outside any group). None when the broker cannot say (then only `--timeout`
-        ends a request). Asked once per session."""
-        if self._group_size is None:
+        ends a request). Asked once per session, unless `fresh`."""
+        if self._group_size is None or fresh:
             group = self.config.kafka.group_id
             admin = AdminClient(self._base)  # held while its future is pending: a collected client never answers
             try:
@@ -94,6 +99,10 @@ class AdminSession:
 
     def _listen(self) -> None:
         """Assign every reply partition at its end before sending: no reply can be missed."""
+        with self._reading:
+            self._assign_replies()
+
+    def _assign_replies(self) -> None:
         if self._listening:
             return
         topic = self.admin.reply_topic
@@ -142,8 +151,9 @@ class AdminSession:
         wanted = replies.request_id.encode()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (instances is None or len(replies.final) < instances):
-            kept = self._kept.pop(wanted, [])
-            bodies = kept or [json.loads(m.value() or b"{}") for m in self._read(wanted)]
+            with self._reading:
+                kept = self._kept.pop(wanted, [])
+                bodies = kept or [json.loads(m.value() or b"{}") for m in self._read(wanted)]
             for body in bodies:
                 if body.get("partial"):
                     replies.partial.append(body)
@@ -157,7 +167,7 @@ class AdminSession:
     def _read(self, wanted: bytes) -> list[Any]:
         """One poll: the replies to `wanted`; those to this session's other requests are kept."""
         mine = []
-        for msg in self._consumer.consume(100, 0.2):
+        for msg in self._consumer.consume(100, self.poll_seconds):
             if msg.error() is not None:
                 continue
             key = msg.key()

@@ -4,16 +4,19 @@ import (admin/imports.py), get, list, skip, purge, pause, resume, set-policy, st
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge.admin.imports import ImportCommands, ReadRange
 from bridge.admin.protocol import (
+    AuditArgs,
     BreakerArgs,
     CancelArgs,
     Command,
     GetArgs,
+    InsightsArgs,
     ListArgs,
     PurgeArgs,
     QueueArgs,
@@ -25,11 +28,26 @@ from bridge.admin.protocol import (
 from bridge.admin.redrive import RedriveCommands
 from bridge.config import ConfigError
 from bridge.engine.core import Engine
-from bridge.model import Status, Task, parse_rfc3339
+from bridge.model import Status, Task, parse_rfc3339, rfc3339
+from bridge.records import source_key
+from bridge.store.reads import TaskFilter
 
 log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 
+
+
+def _audit_args(text: str | None) -> Any:
+    """The stored arguments as JSON again; one capped in the audit stays the text it was cut to."""
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def filter_of(args: ListArgs) -> TaskFilter:
+    return TaskFilter(args.queue, args.status.value if args.status else None, args.error_type,
+                      parse_rfc3339(args.dead_since), parse_rfc3339(args.dead_until), args.key, args.text, args.newest)
 
 
 def task_summary(task: Task) -> dict[str, Any]:
@@ -37,6 +55,9 @@ def task_summary(task: Task) -> dict[str, Any]:
     keep = ("id", "queue", "status", "attempt_count", "redrive_count", "next_attempt_at", "created_at", "finished_at")
     summary = {k: data[k] for k in keep}
     summary["error_type"] = task.dead_reason.type if task.dead_reason else None
+    summary["error_message"] = task.dead_reason.message[:500] if task.dead_reason else None
+    key = source_key(task.headers)
+    summary["key"] = None if key is None else key.decode("utf-8", "backslashreplace")[:200]
     summary["source"] = task.source
     return summary
 
@@ -73,7 +94,7 @@ class AdminCommands:
             "redrive": self.redrives.redrive, "get": self.get, "list": self.list, "purge": self.purge,
             "pause": self.pause, "resume": self.resume, "set-policy": self.set_policy, "stats": self.stats,
             "breaker": self.breaker, "import": self.imports.run, "skip": self.skip,
-            "cancel": self.cancel,
+            "cancel": self.cancel, "insights": self.insights, "audit": self.audit,
         }  # fmt: skip
         return await handlers[cmd.command](cmd.args, cmd, progress)
 
@@ -118,8 +139,18 @@ class AdminCommands:
                 "parked_behind": await self.store.parked_behind(key)}
 
     async def list(self, args: ListArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
-        tasks = await self.store.list_tasks(args.queue, args.status, args.limit, args.error_type)
+        tasks = await self.store.filtered(filter_of(args), args.limit)
         return {"tasks": [task_summary(t) for t in tasks]}
+
+    async def insights(self, args: InsightsArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        return await self.store.insights(filter_of(args), args.bucket_ms)
+
+    async def audit(self, args: AuditArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        rows = await self.store.admin_audit(parse_rfc3339(args.since), args.limit, args.reads)
+        for row in rows:
+            row["seen_at"] = rfc3339(row["seen_at"])
+            row["args"] = _audit_args(row["args"])
+        return {"requests": rows}
 
     async def purge(self, args: PurgeArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         if args.task_id is not None:

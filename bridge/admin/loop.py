@@ -32,6 +32,7 @@ from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
 _CATCH_UP = 1000  # records per admin partition read back at most when the time lookup finds none
+AUDIT_KEPT_MS = 30 * 86_400_000  # the commands that change something stay in the audit 30 days
 
 
 class AdminLoop:
@@ -139,8 +140,9 @@ class AdminLoop:
         try:
             cmd = verify(value, headers, self.admin.auth, self._now_ms())
             verified = self.admin.auth != "none"
+            args = cmd.args.model_dump(mode="json", exclude_none=True)
             if not await self.commands.store.admin_seen(cmd.request_id, cmd.command, cmd.issued_by, self._now_ms(),
-                                                        cmd.key_id):
+                                                        cmd.key_id, args):
                 raise Refused("Replayed", f"request_id {cmd.request_id!r} was already received", verified)
         except Refused as e:
             await self._refuse(request_id, e, verified)
@@ -173,7 +175,8 @@ class AdminLoop:
             await self._send(cmd.request_id, error=Refused("Internal", f"{type(e).__name__}: {e}", verified))
         if self.handled % 100 == 0:
             with contextlib.suppress(StoreError):
-                await self.commands.store.admin_prune(self._now_ms() - 2 * self.window_ms)
+                now = self._now_ms()
+                await self.commands.store.admin_prune(now - 2 * self.window_ms, now - AUDIT_KEPT_MS)
 
     async def _refuse(self, request_id: str | None, e: Refused, verified: bool) -> None:
         self.refused += 1

@@ -25,7 +25,8 @@ from bridge.model import Status, parse_rfc3339
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"
 COMMANDS = ("redrive", "get", "list", "purge", "pause", "resume", "set-policy", "stats", "breaker", "import",
-            "skip", "cancel")
+            "skip", "cancel", "insights", "audit")
+READS = ("get", "list", "stats", "insights", "audit")  # change nothing: kept for replay protection only
 
 
 class Refused(Exception):
@@ -43,6 +44,16 @@ class Refused(Exception):
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _check_times(args: _Args) -> None:
+    for name in ("dead_since", "dead_until", "since"):
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                parse_rfc3339(value)
+            except ValueError as e:
+                raise ValueError(f"{name} is not an RFC 3339 time: {value!r}") from e
 
 
 class DlqRef(_Args):
@@ -87,13 +98,7 @@ class RedriveArgs(_Args):
         targets = [t for t in (self.task_id, self.task_ids, self.queue, self.dlq) if t is not None]
         if len(targets) != 1:
             raise ValueError("give exactly one of task_id, task_ids, queue, dlq")
-        for name in ("dead_since", "dead_until"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    parse_rfc3339(value)
-                except ValueError as e:
-                    raise ValueError(f"{name} is not an RFC 3339 time: {value!r}") from e
+        _check_times(self)
         return self
 
 
@@ -117,7 +122,37 @@ class ListArgs(_Args):
     queue: str | None = None
     status: Status | None = None
     error_type: str | None = Field(default=None, min_length=1, max_length=300)  # the dead reason's, as redrive's
+    dead_since: str | None = None  # RFC 3339: death time in [dead_since, dead_until)
+    dead_until: str | None = None
+    key: str | None = Field(default=None, max_length=10_000)  # the record key, as text
+    text: str | None = Field(default=None, min_length=1, max_length=300)  # in the dead reason's message, any case
+    newest: bool = False  # newest death first (else creation order)
     limit: int = Field(default=50, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _times(self) -> ListArgs:
+        _check_times(self)
+        return self
+
+
+class InsightsArgs(ListArgs):
+    """What broke: a filter's tasks (DEAD unless told) by error type, per time bucket, attempts by outcome."""
+
+    status: Status | None = Status.DEAD
+    bucket_ms: int = Field(default=3_600_000, ge=1000, le=366 * 86_400_000)
+
+
+class AuditArgs(_Args):
+    """The admin commands this instance received (verified), newest first; reads only when asked."""
+
+    since: str | None = None
+    reads: bool = False
+    limit: int = Field(default=200, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _times(self) -> AuditArgs:
+        _check_times(self)
+        return self
 
 
 class PurgeArgs(_Args):
@@ -181,7 +216,7 @@ class ImportArgs(_Args):
 ARGS: dict[str, type[_Args]] = {
     "redrive": RedriveArgs, "get": GetArgs, "list": ListArgs, "purge": PurgeArgs, "pause": QueueArgs,
     "resume": QueueArgs, "set-policy": SetPolicyArgs, "stats": StatsArgs, "breaker": BreakerArgs,
-    "import": ImportArgs, "skip": SkipArgs, "cancel": CancelArgs,
+    "import": ImportArgs, "skip": SkipArgs, "cancel": CancelArgs, "insights": InsightsArgs, "audit": AuditArgs,
 }  # fmt: skip
 
 

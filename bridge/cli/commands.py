@@ -47,6 +47,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_console(args: argparse.Namespace) -> int:
+    from bridge.console.app import serve
+
+    config = load_config(args.config)
+    if config.admin is None:
+        raise ConfigError("the configuration has no `admin` section (topic, reply_topic, auth): the console is an "
+                          "admin client")
+    if args.trace_url is not None and "{trace_id}" not in args.trace_url:
+        raise ConfigError("--trace-url must contain {trace_id}")
+    asyncio.run(serve(config, args.port, args.bind, args.name, args.key_id, args.trace_url))
+    return 0
+
+
 # ---- admin verbs --------------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from bridge.cli.commands import (
     cmd_admin,
     cmd_check,
+    cmd_console,
     cmd_demo,
     cmd_dlq,
     cmd_import,
@@ -136,6 +137,20 @@ def _add_store_verbs(sub: Any) -> None:
     store.set_defaults(fn=cmd_store)
 
 
+def _add_console(sub: Any) -> None:
+    console = sub.add_parser("console", help="the SRE's console: a local web app (an admin client like this CLI); "
+                             "prints its login URL")
+    console.add_argument("--config", required=True, help="the bridge config (kafka and admin sections)")
+    console.add_argument("--port", type=int, default=8089, help="default 8089 (0: any free port)")
+    console.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
+    console.add_argument("--name", default=None, help="issued_by is console:NAME (default: the OS user)")
+    console.add_argument("--key-id", default=None, help="which admin.auth key signs (default signing_key or first)")
+    console.add_argument("--trace-url", default=None, metavar="TEMPLATE",
+                         help="a trace UI's URL with {trace_id}, e.g. http://jaeger:16686/trace/{trace_id}: a "
+                         "task's traceparent becomes a link")
+    console.set_defaults(fn=cmd_console)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rdq", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "SRE's commands")
     demo.add_argument("--timeout", type=float, default=180.0, help="give up after this many seconds")
     demo.set_defaults(fn=cmd_demo)
+    _add_console(sub)
     _add_admin_verbs(sub)
     _add_dlq_verbs(sub)
     _add_store_verbs(sub)

@@ -13,6 +13,15 @@ from bridge.store.queries import q
 from bridge.store.results import Redriven
 from bridge.store.upkeep import purged
 
+AUDIT_ARGS_MAX = 2000  # characters of a command's arguments kept in the audit
+
+
+def audit_args(args: dict[str, Any] | None) -> str | None:
+    if args is None:
+        return None
+    text = json.dumps(args, sort_keys=True, default=str)
+    return text if len(text) <= AUDIT_ARGS_MAX else text[: AUDIT_ARGS_MAX - 1] + "…"
+
 
 class OperatorActions:
     db: Database  # the store's parts share its database and scope (Store.__init__)
@@ -64,15 +73,21 @@ class OperatorActions:
     # ---- admin (SPEC §7) -------------------------------------------------------------------------------
 
     async def admin_seen(self, request_id: str, command: str, issued_by: str | None, now: int,
-                         key_id: str | None = None) -> bool:
-        """Remember a verified request id (the audit of every command: what, who said, which key). False when it
-        was seen before: a replay."""
+                         key_id: str | None = None, args: dict[str, Any] | None = None) -> bool:
+        """Remember a verified request id (the audit of every command: what, who said, which key, its arguments).
+        False when it was seen before: a replay."""
         params = {"request_id": request_id, "command": command, "issued_by": issued_by, "now": now,
-                  "key_id": key_id}
+                  "key_id": key_id, "args": audit_args(args)}
         return await self.db.write(lambda c: c.execute(q("admin_request_seen"), params).rowcount == 1)
 
-    async def admin_prune(self, before: int) -> None:
-        await self.db.write(lambda c: c.execute(q("admin_requests_prune"), {"before": before}))
+    async def admin_prune(self, before: int, audit_before: int) -> None:
+        params = {"before": before, "audit_before": min(before, audit_before)}
+        await self.db.write(lambda c: c.execute(q("admin_requests_prune"), params))
+
+    async def admin_audit(self, since: int | None, limit: int, reads: bool) -> list[dict[str, Any]]:
+        params = {"since": since, "limit": limit, "reads": int(reads)}
+        rows = await self.db.read(lambda c: c.execute(q("admin_requests_recent"), params).fetchall())
+        return [dict(r) for r in rows]
 
     async def queue_settings(self) -> dict[str, tuple[dict[str, Any] | None, bool]]:
         rows = await self.db.read(lambda c: c.execute(q("queue_settings_all")).fetchall())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import sqlite3
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from bridge.model import Attempt, Status, Task
@@ -32,10 +34,59 @@ def read_redrives(conn: sqlite3.Connection, task_id: str) -> list[dict[str, Any]
     return [dict(r) for r in conn.execute(q("get_redrives"), {"id": task_id})]
 
 
+@dataclass(frozen=True)
+class TaskFilter:
+    """Which tasks a list, an insight or the console's dead letters are about (None: any). `key`: the record key
+    as text (UTF-8); `text`: a substring of the dead reason's message, any case; since/until: death time, ms."""
+
+    queue: str | None = None
+    status: str | None = None
+    error_type: str | None = None
+    since: int | None = None
+    until: int | None = None
+    key: str | None = None
+    text: str | None = None
+    newest: bool = False  # newest death first (else by id: creation order)
+
+    def params(self, limit: int) -> dict[str, Any]:
+        key_b64 = None if self.key is None else base64.b64encode(self.key.encode()).decode("ascii")
+        return {"queue": self.queue, "status": self.status, "error_type": self.error_type, "since": self.since,
+                "until": self.until, "key_b64": key_b64, "text": self.text, "newest": int(self.newest),
+                "limit": limit}
+
+
+def read_matching(conn: sqlite3.Connection, where: TaskFilter, limit: int) -> list[tuple[str, str | None, int | None]]:
+    """(id, dead reason type, finished_at) of the tasks matching, in the filter's order."""
+    return [(r[0], r[1], r[2]) for r in conn.execute(q("matching_tasks"), where.params(limit)).fetchall()]
+
+
+def read_filtered(conn: sqlite3.Connection, where: TaskFilter, limit: int) -> list[Task]:
+    ids = [task_id for task_id, _, _ in read_matching(conn, where, limit)]
+    rows = {r["id"]: r for r in conn.execute(q("tasks_of_many"), {"ids": json.dumps(ids)}).fetchall()}
+    return [Task.from_row(rows[task_id]) for task_id in ids if task_id in rows]
+
+
 def read_list(conn: sqlite3.Connection, queue: str | None, status: str | None, limit: int,
               error_type: str | None = None) -> list[Task]:
-    params = {"queue": queue, "status": status, "limit": limit, "error_type": error_type}
-    return [Task.from_row(r) for r in conn.execute(q("list_tasks"), params).fetchall()]
+    return read_filtered(conn, TaskFilter(queue, status, error_type), limit)
+
+
+def read_insights(conn: sqlite3.Connection, where: TaskFilter, bucket_ms: int) -> dict[str, Any]:
+    """What broke: the matching tasks grouped by error type, counted per time bucket (by death time), and their
+    attempts by outcome."""
+    matching = read_matching(conn, where, 1_000_000)
+    by_type: dict[str, int] = {}
+    over_time: dict[int, int] = {}
+    for _, error_type, finished_at in matching:
+        by_type[error_type or "(none)"] = by_type.get(error_type or "(none)", 0) + 1
+        if finished_at is not None:
+            bucket = finished_at - finished_at % bucket_ms
+            over_time[bucket] = over_time.get(bucket, 0) + 1
+    ids = json.dumps([task_id for task_id, _, _ in matching])
+    outcomes = {r[0]: r[1] for r in conn.execute(q("outcomes_of_many"), {"ids": ids}).fetchall()}
+    return {"total": len(matching), "by_error_type": dict(sorted(by_type.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "over_time": [[t, n] for t, n in sorted(over_time.items())], "bucket_ms": bucket_ms,
+            "attempts_by_outcome": outcomes}
 
 
 def read_counts(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
@@ -61,6 +112,12 @@ class TaskReads:
     async def list_tasks(self, queue: str | None = None, status: Status | None = None, limit: int = 100,
                          error_type: str | None = None) -> list[Task]:
         return await self.db.scan(lambda c: read_list(c, queue, status.value if status else None, limit, error_type))
+
+    async def filtered(self, where: TaskFilter, limit: int) -> list[Task]:
+        return await self.db.scan(lambda c: read_filtered(c, where, limit))
+
+    async def insights(self, where: TaskFilter, bucket_ms: int) -> dict[str, Any]:
+        return await self.db.scan(lambda c: read_insights(c, where, bucket_ms))
 
     async def dead_ids(self, queue: str, error_type: str | None = None, since: int | None = None,
                        until: int | None = None, limit: int = 1000) -> list[str]:

@@ -286,13 +286,26 @@ SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDE
 -- name: redrives_of_many
 SELECT * FROM redrives WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, redrive_no;
 
--- name: list_tasks
-SELECT * FROM tasks
+-- name: matching_tasks
+-- Tasks matching a filter (list, insights, the console's dead letters): the dead reason's type module-qualified or
+-- by class name alone (as in dead_tasks_filtered); death time in [since, until); the record key (base64, as the
+-- rdq.kafka.key header holds it); text in the dead reason's message, any case. Newest death first, or by id.
+SELECT id, dead_reason_type, finished_at FROM tasks
  WHERE (:queue IS NULL OR queue = :queue) AND (:status IS NULL OR status = :status)
-   -- The dead reason's type, module-qualified or by class name alone (as in dead_tasks_filtered).
    AND (:error_type IS NULL OR dead_reason_type = :error_type
         OR (instr(:error_type, '.') = 0 AND substr(dead_reason_type, -length(:error_type) - 1) = '.' || :error_type))
- ORDER BY id LIMIT :limit;
+   AND (:since IS NULL OR finished_at >= :since) AND (:until IS NULL OR finished_at < :until)
+   AND (:key_b64 IS NULL OR json_extract(headers, '$."rdq.kafka.key"') = :key_b64)
+   AND (:text IS NULL OR instr(lower(COALESCE(dead_reason_message, '')), lower(:text)) > 0)
+ ORDER BY CASE WHEN :newest THEN -COALESCE(finished_at, created_at) ELSE 0 END, id
+ LIMIT :limit;
+
+-- name: tasks_of_many
+SELECT * FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
+
+-- name: outcomes_of_many
+-- Attempts by outcome of a set of tasks (:ids is a JSON array): the console's "attempts by outcome".
+SELECT outcome, COUNT(*) AS n FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) GROUP BY outcome;
 
 -- name: dead_tasks_filtered
 SELECT id, redrive_count FROM tasks
@@ -349,12 +362,21 @@ DELETE FROM inflight WHERE run_id = :run_id;
 SELECT topic, partition, lo, hi FROM inflight WHERE run_id != :run_id;
 
 -- name: admin_request_seen
-INSERT INTO admin_requests (request_id, seen_at, command, issued_by, key_id)
-VALUES (:request_id, :now, :command, :issued_by, :key_id)
+INSERT INTO admin_requests (request_id, seen_at, command, issued_by, key_id, args)
+VALUES (:request_id, :now, :command, :issued_by, :key_id, :args)
 ON CONFLICT (request_id) DO NOTHING;
 
 -- name: admin_requests_prune
-DELETE FROM admin_requests WHERE seen_at < :before;
+-- Reads (get, list, stats, insights, audit) are kept for replay protection only; the commands that change
+-- something stay for the audit until :audit_before.
+DELETE FROM admin_requests
+ WHERE seen_at < :before AND (command IN ('get', 'list', 'stats', 'insights', 'audit') OR seen_at < :audit_before);
+
+-- name: admin_requests_recent
+SELECT request_id, seen_at, command, issued_by, key_id, args FROM admin_requests
+ WHERE (:since IS NULL OR seen_at >= :since)
+   AND (:reads OR command NOT IN ('get', 'list', 'stats', 'insights', 'audit'))
+ ORDER BY seen_at DESC, request_id LIMIT :limit;
 
 -- name: queue_settings_all
 SELECT queue, policy, paused, updated_at, updated_by FROM queue_settings;
