@@ -44,7 +44,7 @@ class Gate:
         sid = secrets.token_urlsafe(32)
         self.sessions[sid] = secrets.token_urlsafe(32)
         query = {k: v for k, v in request.query.items() if k != "token"}
-        response = web.HTTPSeeOther(request.rel_url.with_query(query).path_qs)
+        response = web.Response(status=303, headers={"Location": request.rel_url.with_query(query).path_qs})
         response.set_cookie(COOKIE, sid, httponly=True, samesite="Strict", path="/")
         return response
 
