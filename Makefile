@@ -54,6 +54,7 @@ bench: kafka
 	$(BIN)/python -m bench.bench_processes all
 	$(BIN)/python -m bench.bench_tracing
 	$(BIN)/python -m bench.bench_admin
+	$(BIN)/python -m bench.bench_console
 
 lint: install
 	$(BIN)/ruff check .

@@ -35,6 +35,7 @@ ROWS = {
     "processes": ["bench.bench_processes", "all", "--n", "300", "--runs", "1"],
     "tracing": ["bench.bench_tracing", "--n", "600"],
     "admin": ["bench.bench_admin", "--n", "40", "--runs", "1", "--rate", "1000"],
+    "console": ["bench.bench_console", "--n", "40", "--runs", "1"],
 }
 BOUND = 240  # seconds: a tiny run that takes longer is a bench that would hang at full size
 

@@ -9,8 +9,11 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -70,6 +73,8 @@ def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique
             "good": {"handler": "ok", "sources": [f"good-{unique}"]},
             "bad": {"handler": "permanent", "sources": [f"bad-{unique}"], "dlq_topic": f"bad-{unique}.dlq"},
         },
+        "admin": {"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}",
+                  "auth": {"keys": {"k1": "an-installed-secret-of-32-bytes-or-more"}}},
     }
     config_path = workdir / "bridge.yaml"
     config_path.write_text(yaml.safe_dump(tree))
@@ -97,6 +102,7 @@ def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique
         assert [(e["handler"], f"good-{unique}/" in e["source"]) for e in succeeded] == [("ok", True)], succeeded
         assert proc.poll() is None, (workdir / "bridge.log").read_text(errors="replace")
         assert (workdir / "rdq-0.db").exists() and (workdir / "rdq-1.db").exists()
+        _console_shows_the_dead_task(rdq, config_path, workdir, env)
         proc.terminate()
         assert proc.wait(60) == 0, (workdir / "bridge.log").read_text(errors="replace")
         text = (workdir / "bridge.log").read_text(errors="replace")
@@ -104,6 +110,40 @@ def test_installed_wheel_runs_end_to_end(kafka: KafkaEnv, tmp_path: Path, unique
     finally:
         proc.kill()
         log.close()
+
+
+def _console_shows_the_dead_task(rdq: Path, config_path: Path, workdir: Path, env: dict[str, str]) -> None:
+    """`rdq console` of the installed package: its templates and static files shipped in the wheel."""
+    console = subprocess.Popen([str(rdq), "console", "--config", str(config_path), "--port", "0"], cwd=workdir,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert console.stdout is not None
+        line = console.stdout.readline()
+        assert line.startswith("console: http://127.0.0.1:"), (line, console.poll())
+        login = line.removeprefix("console: ").strip()
+        base = login.split("/?")[0]
+        opener = urllib.request.build_opener(_NoRedirect)
+        try:
+            opener.open(login, timeout=30)
+            raise AssertionError("the login URL did not redirect")
+        except urllib.error.HTTPError as e:
+            assert e.code == 303
+            cookie = e.headers["Set-Cookie"].split(";")[0]
+        deadline, page = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and '<strong id="dead-total">1</strong>' not in page:
+            request = urllib.request.Request(f"{base}/dead", headers={"Cookie": cookie})
+            page = urllib.request.urlopen(request, timeout=30).read().decode()
+        assert '<strong id="dead-total">1</strong>' in page, page[-3000:]
+        css = urllib.request.urlopen(f"{base}/static/console.css", timeout=10)
+        assert css.status == 200 and b"rdq console" in css.read()
+    finally:
+        console.terminate()
+        assert console.wait(15) == 0, console.stderr.read() if console.stderr else ""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def test_a_failed_start_exits_with_a_clear_message(tmp_path: Path) -> None:
