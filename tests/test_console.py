@@ -14,7 +14,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,10 @@ from bridge.handler_api import HandlerContext
 from bridge.registry import Registry
 from tests.browser import headless, screenshot
 from tests.conftest import KafkaEnv
-from tests.kafka_helpers import produce, running_bridge
+from tests.kafka_helpers import produce, running_bridge, wait_until
 from tests.test_admin import KEYS, ROOT, admin_config, write
+from tests.test_foreign_dlq import spring_headers
+from tests.test_import_kafka import _create
 from tests.test_redrive_kafka import counts, until_counts
 
 pytestmark = pytest.mark.kafka
@@ -270,3 +272,87 @@ def _set(driver: Any, name: str, value: str) -> None:
     field.send_keys(value)
 
 
+
+
+def always_down(ctx: HandlerContext) -> None:
+    raise ConnectionError("ledger is down")
+
+
+async def test_the_sre_holds_a_queue_skips_a_held_key_imports_a_foreign_dlq_and_sees_a_silent_instance(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """The other buttons: the breaker opened and closed by hand from the overview, a dead head that holds its key
+    skipped (after its confirmation), a Spring Kafka DLT imported (dry run first, then for real); and an instance
+    that stops answering is shown as such, the page not waiting for it."""
+    registry = Registry()
+    registry.register("down", always_down)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    queues = {"o": {"handler": "down", "sources": [f"o-{unique}"], "max_attempts": 1, "ordering": "key",
+                    "on_dead": "hold"}}
+    config_a = admin_config(kafka, tmp_path / "a", unique, queues)
+    config_b = admin_config(kafka, tmp_path / "b", unique, queues)
+    foreign = f"spring-{unique}.DLT"
+    _create(config_a, foreign)
+    produce(config_a, foreign, [(b"acct-1", b'{"n": 1}', spring_headers(partition=0, offset=11))])
+    async with running_bridge(config_a, registry, instance_id="bridge-a") as a, AsyncExitStack() as second:
+        b = await second.enter_async_context(running_bridge(config_b, registry, instance_id="bridge-b"))
+        await asyncio.sleep(3)  # both in the group before the records come
+        produce(config_a, f"o-{unique}", [(b"held", b'{"n": 1}', []), (b"held", b'{"n": 2}', [])])
+
+        async def held() -> bool:
+            total: dict[str, int] = {}
+            for bridge in (a, b):
+                for status, n in (await bridge.store.counts()).get("o", {}).items():
+                    total[status] = total.get(status, 0) + n
+            return total.get("DEAD") == 1 and total.get("PARKED") == 1
+
+        await wait_until(held, what="a dead head holding its key, one record parked behind it")
+        with console(write(config_a, tmp_path)) as (base, login, _):
+            driver = headless()
+            try:
+                await asyncio.to_thread(_buttons, driver, base, login, foreign)
+                await second.aclose()  # bridge-b stops: it no longer answers
+                await asyncio.to_thread(_silent_instance, driver, base)
+            finally:
+                driver.quit()
+
+
+def _buttons(driver: Any, base: str, login: str, foreign: str) -> None:
+    driver.get(login)
+    row = wait_for(driver, "tr[data-queue='o']")
+    row.find_element(By.XPATH, ".//button[text()='open breaker']").click()
+    wait_for(driver, "section.instance[data-instance='bridge-b'] td.breaker-open", "console:night-sre")
+    assert len(driver.find_elements(By.CSS_SELECTOR, "td.breaker-open")) == 2  # every instance
+    wait_for(driver, "tr[data-queue='o']").find_element(By.XPATH, ".//button[text()='close breaker']").click()
+    wait_for(driver, "section.instance[data-instance='bridge-a'] td.breaker-closed")
+    assert not driver.find_elements(By.CSS_SELECTOR, "td.breaker-open")
+
+    driver.get(f"{base}/dead?queue=o")
+    wait_for(driver, "table.tasks tbody tr a").click()
+    wait_for(driver, "#task-status", "DEAD")
+    assert "holds its key" in driver.find_element(By.TAG_NAME, "main").text
+    driver.find_element(By.PARTIAL_LINK_TEXT, "Skip").click()
+    wait_for(driver, "#confirm").click()
+    wait_for(driver, "#result", '"skipped": true')
+
+    driver.get(f"{base}/import")
+    _set(driver, "topic", foreign)
+    driver.find_element(By.ID, "import-dry-run").click()
+    wait_for(driver, "#job-phase", "done")
+    dry = driver.find_element(By.ID, "summary").text
+    assert '"dry_run": true' in dry and '"records": 1' in dry and '"imported": 1' in dry, dry
+    screenshot(driver, "import-dry-run")
+    driver.find_element(By.ID, "import-for-real").click()
+    wait_for(driver, "#job-phase", "done")
+    done = driver.find_element(By.ID, "summary").text
+    assert '"dry_run": false' in done and '"imported": 1' in done, done
+    driver.get(f"{base}/dead?queue=o&error_type=ListenerExecutionFailedException")
+    wait_for(driver, "#dead-total", "1")
+
+
+def _silent_instance(driver: Any, base: str) -> None:
+    began = time.monotonic()
+    driver.get(f"{base}/")
+    wait_for(driver, ".missing", "bridge-b: did not answer", within=30)
+    assert time.monotonic() - began < 30
+    assert driver.find_elements(By.CSS_SELECTOR, "section.instance[data-instance='bridge-a']")

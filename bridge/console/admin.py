@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.admin.client import AdminSession, Replies
+from confluent_kafka import KafkaException
+
+from bridge.admin.client import AdminClientError, AdminSession, Replies
 from bridge.config import BridgeConfig
 
 ASK_TIMEOUT = 3.0  # seconds a page waits for instances that do not answer
@@ -23,6 +25,7 @@ class Answers:
     replies: list[dict[str, Any]]
     missing: list[str] = field(default_factory=list)
     members: int | None = None
+    problem: str | None = None  # the request could not even be sent (the broker unreachable, no reply topic)
 
     def ok(self) -> list[dict[str, Any]]:
         return [r for r in self.replies if r.get("ok")]
@@ -64,7 +67,10 @@ class ConsoleAdmin:
             self.seen[str(r.get("instance", "?"))] = now
 
     async def ask(self, command: str, args: dict[str, Any], within: float = ASK_TIMEOUT) -> Answers:
-        replies = await asyncio.to_thread(self.request, command, args, within)
+        try:
+            replies = await asyncio.to_thread(self.request, command, args, within)
+        except (AdminClientError, KafkaException) as e:  # the page says so; the next one tries again
+            return Answers([], sorted(self.seen), self._members, f"{type(e).__name__}: {e}")
         answered = {str(r.get("instance")) for r in replies.final}
         recent = time.monotonic() - FORGET_AFTER
         missing = sorted(i for i, at in self.seen.items() if i not in answered and at > recent)

@@ -18,6 +18,8 @@ from bridge.cli.redrive import BulkRedrive
 from bridge.config import BridgeConfig
 from bridge.console.admin import ConsoleAdmin
 
+KEPT_JOBS = 100  # finished jobs the console remembers (their pages) until it stops
+
 
 @dataclass
 class Job:
@@ -26,6 +28,7 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     phase: str = "starting"  # starting → plan → canary → running → done | stopped | cancelled | failed
     began: float = field(default_factory=time.time)
+    paced_since: float | None = None  # when the rest (after plan and canary) began: what its rate is over
     ended: float | None = None
     progress: dict[str, dict[str, Any]] = field(default_factory=dict)  # instance → its latest progress
     request_id: str | None = None  # the bulk redrive's, once sent (what cancel names)
@@ -37,7 +40,7 @@ class Job:
     def view(self) -> dict[str, Any]:
         done = sum(int(p.get("done") or 0) for p in self.progress.values())
         total = sum(int(p.get("total") or 0) for p in self.progress.values())
-        elapsed = (self.ended or time.time()) - self.began
+        elapsed = (self.ended or time.time()) - (self.paced_since or self.began)
         rate = done / elapsed if elapsed > 0 and done else 0.0
         eta = (total - done) / rate if rate > 0 and total > done else None
         return {"id": self.id, "kind": self.kind, "phase": self.phase, "params": self.params,
@@ -67,6 +70,7 @@ class _Watched:
             self.job.phase = ("plan" if args.get("dry_run") else "canary" if "task_ids" in args else "running")
             if "shares" in args:
                 self.job.request_id = request_id
+                self.job.paced_since = time.time()
         return self.admin.request(command, args, timeout, instances, self._progress, request_id)
 
     def collect(self, replies: Replies, timeout: float = 5.0, instances: int | None = None,
@@ -111,12 +115,20 @@ class Jobs:
 
     def _start(self, job: Job, work: Any) -> Job:
         self.jobs[job.id] = job
+        ended = [j for j in self.jobs.values() if j.ended is not None]
+        for old in ended[: max(0, len(ended) - KEPT_JOBS)]:  # the oldest finished ones go
+            del self.jobs[old.id]
 
         def run() -> None:
             out = io.StringIO()
             try:
                 job.exit_code = work(out)
                 job.report = json.loads(out.getvalue() or "{}")
+                for r in job.report.get("replies", []):  # the final count of each instance, past its last progress
+                    if r.get("ok"):
+                        instance, count = str(r.get("instance")), int(r["result"].get("count") or 0)
+                        total = max(count, int(job.progress.get(instance, {}).get("total") or 0))
+                        job.progress[instance] = {"done": count, "total": total}
                 job.phase = ("cancelled" if job.cancelled else
                              "stopped" if job.report.get("summary", {}).get("stopped_by_canary") else "done")
             except Cancelled:
