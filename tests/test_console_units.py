@@ -162,3 +162,16 @@ async def test_the_gate_wants_the_token_then_the_cookie_and_a_csrf_token_for_cha
         assert (await client.post("/change", data={"csrf": csrf})).status == 401
         assert changed == ["yes", "yes"]
     assert COOKIE == "rdq_console"
+
+
+def test_every_template_compiles_and_the_static_files_ship_beside_them() -> None:
+    from importlib import resources
+
+    from bridge.console.site import ENV
+
+    names = ENV.list_templates()
+    assert {"base.html", "overview.html", "dead.html", "task.html", "redrive.html", "job.html"} <= set(names)
+    for name in names:
+        ENV.get_template(name)  # a syntax error fails here, not on an SRE's first click
+    static = resources.files("bridge.console") / "static"
+    assert (static / "console.css").is_file() and (static / "console.js").is_file()
