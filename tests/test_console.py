@@ -308,6 +308,7 @@ async def test_the_sre_holds_a_queue_skips_a_held_key_imports_a_foreign_dlq_and_
 
         await wait_until(held, what="a dead head holding its key, one record parked behind it")
         with console(write(config_a, tmp_path)) as (base, login, _):
+            await asyncio.to_thread(_without_javascript, login)
             driver = headless()
             try:
                 await asyncio.to_thread(_buttons, driver, base, login, foreign)
@@ -356,3 +357,20 @@ def _silent_instance(driver: Any, base: str) -> None:
     wait_for(driver, ".missing", "bridge-b: did not answer", within=30)
     assert time.monotonic() - began < 30
     assert driver.find_elements(By.CSS_SELECTOR, "section.instance[data-instance='bridge-a']")
+
+
+def _without_javascript(login: str) -> None:
+    """JavaScript off in the browser: the pages are the server's, whole (the overview, a filter, a form)."""
+    driver = headless(javascript=False)
+    try:
+        driver.get(login)
+        wait_for(driver, "section.instance[data-instance='bridge-b']")
+        assert 'http-equiv="refresh"' in driver.page_source  # without scripts, the overview reloads itself
+        driver.find_element(By.LINK_TEXT, "Dead letters").click()
+        wait_for(driver, "#dead-total", "1")
+        driver.find_element(By.NAME, "text").send_keys("ledger")
+        driver.find_element(By.CSS_SELECTOR, "form.filters button").click()
+        wait_for(driver, "#dead-total", "1")
+        assert "text=ledger" in driver.current_url
+    finally:
+        driver.quit()
