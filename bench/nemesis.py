@@ -448,25 +448,27 @@ def check(run: Run, config: BridgeConfig, log_path: Path, downstream: Downstream
     return verdict
 
 
-def _count(config: BridgeConfig, topic: str, tries: int = 10) -> int:
+def _count(config: BridgeConfig, topic: str, within: float = 180.0) -> int:
     """Records in a topic. The checker's own client may not know the topic's partitions yet right after a burst of
-    rebalances (`Unknown partition` from a fresh client: CI saw it once): it asks again, with a new client."""
+    rebalances (`Unknown partition` from a fresh client), or the broker may still be coming back from the run's
+    faults (CI saw a minute of transport failures after the heal): it asks again, with a new client, for up to
+    `within` seconds (a time budget, not a count of tries: some failures are instant, others take 10 s)."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-    for attempt in range(tries):
+    deadline = time.monotonic() + within
+    while True:
         consumer = Consumer({"bootstrap.servers": config.kafka.bootstrap_servers, "group.id": "nemesis-count"})
         try:
             partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
             return sum(h - lo for p in partitions
                        for lo, h in [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)])
         except KafkaException as e:
-            if attempt == tries - 1:
+            if time.monotonic() > deadline:
                 raise
             log(f"checker: {e} (asking again)")
             time.sleep(1.0)
         finally:
             consumer.close()
-    raise AssertionError("unreachable")
 
 
 # ---- the run ------------------------------------------------------------------------------------------------

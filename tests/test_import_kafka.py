@@ -250,3 +250,23 @@ async def test_import_a_kafka_44_share_group_dlq_of_pointers_and_redrive_the_ori
 
         await wait_until(all_ran, what="the redriven originals to succeed")
     assert {call[0] for call in switch.calls} == {t.id for t in tasks.values()}
+
+
+def test_offsets_that_cannot_be_read_end_in_one_line_not_a_traceback() -> None:
+    """`rdq import` (and the console's import) asks each partition's offsets; a partition without a leader (a topic
+    just created, a broker coming back: `_UNKNOWN_PARTITION`) is asked again, and one that stays unreadable is a
+    one-line error naming the topic and partition — it once ended `rdq import` with a KafkaException traceback."""
+    from confluent_kafka import Consumer
+
+    from bridge.cli.imports import _offsets
+    from bridge.config import ConfigError
+
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "rdq-import-test",
+                         "socket.connection.setup.timeout.ms": 1000, "log_level": 0})
+    try:
+        began = time.monotonic()
+        with pytest.raises(ConfigError, match=r"topic 'legacy\.dlq' partition 3: its offsets cannot be read"):
+            _offsets(consumer, "legacy.dlq", 3, within=1.0)
+        assert time.monotonic() - began < 30
+    finally:
+        consumer.close()

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any, TextIO
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from bridge.admin.protocol import IMPORT_RANGE_MAX
 from bridge.config import BridgeConfig, ConfigError
@@ -33,10 +33,24 @@ def watermarks(config: BridgeConfig, topic: str) -> dict[int, tuple[int, int]]:
         metadata = consumer.list_topics(topic, timeout=15).topics.get(topic)
         if metadata is None or metadata.error is not None or not metadata.partitions:
             raise ConfigError(f"topic {topic!r} is not available: {metadata.error if metadata else 'no metadata'}")
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=15)
-                for p in sorted(metadata.partitions)}
+        return {p: _offsets(consumer, topic, p) for p in sorted(metadata.partitions)}
     finally:
         consumer.close()
+
+
+def _offsets(consumer: Consumer, topic: str, partition: int, within: float = 15.0) -> tuple[int, int]:
+    """A partition's low and high offsets. A partition without a leader yet (a topic just created, a broker
+    restarting: _UNKNOWN_PARTITION, NOT_LEADER) is asked again within `within` seconds, then a one-line error."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=within)
+            return int(low), int(high)
+        except KafkaException as e:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"topic {topic!r} partition {partition}: its offsets cannot be read: "
+                                  f"{e.args[0].str() if e.args else e}") from e
+            time.sleep(0.5)
 
 
 class Import:
