@@ -115,3 +115,42 @@ async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is
         assert writer._producer is not wedged and wedged.failed >= 5
     records = await aread_dlq(kafka.bootstrap_servers, "in-wedged.dlq", settle=3.0)
     assert [r.source for r in records] == ["kafka://in-wedged/0/0"]
+
+
+class _AbortInProgress(_Wedged):
+    """Rounds that fail, and an abort that answers as librdkafka does while an earlier abort (timed out by the
+    writer's 30 s bound on a saturated machine) still runs: `_CONFLICT`, retriable. The nemesis saw minutes of it."""
+
+    def __init__(self, producer: Any) -> None:
+        super().__init__(producer)
+        self.conflicts = 0
+
+    def abort_transaction(self, *args: Any) -> None:
+        self.conflicts += 1
+        raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting abort_transaction API call is already "
+                                        "in progress", retriable=True))
+
+
+async def test_an_abort_that_conflicts_with_one_still_running_gets_a_new_producer_at_once(
+        kafka: Any, tmp_path: Path) -> None:
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, "conflict",
+                          {"q": {"handler": "permanent", "sources": ["in-conflict"], "dlq_topic": "in-conflict.dlq"}},
+                          kafka={"topic_partitions": 1})
+    async with running_bridge(config) as bridge:
+        assert bridge.changelog is not None
+        writer = bridge.changelog.writer
+        await wait_until(lambda: bridge.consumer.owns("in-conflict", 0), within=60, what="the partition owned")
+        await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
+        stuck = writer._producer = _AbortInProgress(writer._producer)  # type: ignore[assignment]
+        produce(config, "in-conflict", [(b"k", b"{}", [])])
+        await wait_until(lambda: writer._producer is not stuck, within=120, what="a new changelog producer")
+        assert stuck.conflicts == 1  # not five rounds of 30 s each
+
+        async def dead() -> list[Any]:
+            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
+
+        await wait_until(dead, within=60, what="the record dead")
+        [task] = await dead()
+        await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by the new producer")
+    records = await aread_dlq(kafka.bootstrap_servers, "in-conflict.dlq", settle=3.0)
+    assert [r.source for r in records] == ["kafka://in-conflict/0/0"]

@@ -332,7 +332,10 @@ class ChangelogWriter:
             except KafkaException as e:
                 failure = e.args[0]
                 self._abort_failures += 1
-                if failure.retriable() and not failure.fatal() and self._abort_failures < _ABORT_TRIES:
+                # _CONFLICT: an earlier abort (timed out here) still runs in librdkafka; asking again conflicts
+                # with it round after round. A new producer, same transactional.id, fences it at once.
+                if (failure.retriable() and not failure.fatal() and failure.code() != KafkaError._CONFLICT
+                        and self._abort_failures < _ABORT_TRIES):
                     log.warning("changelog abort failed (resumed with the next round): %s", e)
                     return
                 # Not retriable (librdkafka: treat it as fatal), or the same failure round after round (a state
