@@ -257,7 +257,8 @@ def _hostile_task(driver: Any, base: str, sources: list[str]) -> None:
     driver.find_element(By.CSS_SELECTOR, "table.tasks tbody tr a").click()
     wait_for(driver, "#task-status", "DEAD")
     text = driver.find_element(By.TAG_NAME, "main").text
-    assert text.count(XSS) >= 3  # the payload, the x-note header, the error message
+    assert text.count(XSS) >= 4  # the payload, the x-note header, the dead reason and the attempt's error
+    assert XSS in driver.find_element(By.ID, "record").text and "evil" in driver.find_element(By.ID, "record").text
     assert driver.execute_script("return window.pwned") is None
     assert len(driver.find_elements(By.TAG_NAME, "script")) == 1 and not driver.find_elements(By.TAG_NAME, "img")
     sources.append(driver.page_source)

@@ -11,6 +11,7 @@ from aiohttp import web
 from bridge.console import views
 from bridge.console.preview import bars_by_count, bars_over_time, duration_ms, preview, trace_id
 from bridge.console.site import Site
+from bridge.records import source_headers, source_key
 
 LIST_LIMIT = 200  # dead tasks listed per page (the counts and charts cover every match)
 
@@ -31,6 +32,14 @@ def _rfc3339(value: str) -> str:
         return value
     at = dt.datetime.fromisoformat(value)
     return at.strftime("%Y-%m-%dT%H:%M:%S") + "Z"
+
+
+def record_of(headers: dict[str, str]) -> dict[str, Any]:
+    """The source record's key and headers as the task carries them (base64 in rdq.kafka.*), as text."""
+    key = source_key(headers)
+    return {"key": None if key is None else key.decode("utf-8", "backslashreplace"),
+            "headers": [(name, "" if value is None else value.decode("utf-8", "backslashreplace"))
+                        for name, value in source_headers(headers)]}
 
 
 class Pages:
@@ -71,7 +80,7 @@ class Pages:
         trace_link = self.site.trace_url.replace("{trace_id}", found) if self.site.trace_url and found else None
         return self.site.render(request, "task.html", page="dead", task=task, instance=instance, attempts=attempts,
                                 payload=preview(task.get("payload", ""), task.get("payload_content_type", "")),
-                                trace_link=trace_link, answers=answers)
+                                trace_link=trace_link, answers=answers, record=record_of(task.get("headers", {})))
 
     async def redrive(self, request: web.Request) -> web.StreamResponse:
         return self.site.render(request, "redrive.html", page="redrive", filters=filters_from(request.query),
