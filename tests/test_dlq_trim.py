@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,53 @@ def test_rfc3339_matches_datetime_formatting_to_the_millisecond() -> None:
                                                                           for _ in range(20_000))]:
         expected = dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
         assert rfc3339(ms) == expected, ms
+
+
+async def test_the_outbox_draft_carries_what_the_decoded_task_would(tmp_path: Path) -> None:
+    """The publisher embeds each attempt as SQLite encoded it (attempts_json_of_many), never decoding it. Its
+    record must say what the record built from the decoded task says: every field, times to the millisecond,
+    late_result_of and note only when set, text with any character; and trim the same way when it must."""
+    import random
+    import sqlite3
+
+    from bridge.dlq.envelope import draft_record, fitted
+    from bridge.store.queries import q
+    from bridge.store.tasks import Store
+    from tests.helpers import failure
+
+    rng = random.Random(11)
+
+    def text(longest: int) -> str:
+        return "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)]))
+                       for _ in range(rng.randint(0, longest)))
+
+    store = await Store.open(tmp_path / "s.db")
+    ids = [await store.submit(failure(dead=ErrorInfo("E", text(40)), now=1_000 + i)) for i in range(40)]
+    conn = sqlite3.connect(tmp_path / "s.db")
+    for task_id in ids:
+        for seq in range(2, rng.randint(2, 9)):
+            error = rng.random() < 0.8
+            conn.execute(q("insert_attempt_copy"), {
+                "task_id": task_id, "seq": seq, "attempt_no": seq, "redrive_no": rng.randint(0, 3),
+                "started_at": rng.randint(0, 4 * 10**12),
+                "finished_at": rng.choice([0, 999, rng.randint(0, 4 * 10**12)]),
+                "outcome": rng.choice(list(Outcome)).value, "error_type": text(20) if error else None,
+                "error_message": rng.choice([None, text(60)]) if error else None,
+                "error_stack": rng.choice([None, text(400)]) if error else None, "worker": rng.choice([None, text(10)]),
+                "late_result_of": rng.choice([None, rng.randint(1, 9)]), "note": rng.choice([None, text(30)]),
+            })  # fmt: skip
+    conn.commit()
+    conn.close()
+    entries = await store.dlq_outbox_entries(limit=100)
+    assert sorted(e.task.id for e in entries) == sorted(ids)
+    for entry in entries:
+        task = await store.get(entry.task.id)
+        assert task is not None
+        decoded, draft = build_record(task, 10**9), draft_record(entry.task, entry.attempts_json)
+        assert json.loads(draft.value) == json.loads(decoded.value)
+        assert (draft.key, draft.headers) == (decoded.key, decoded.headers)
+        limit = decoded.size * 2 // 3
+        trimmed_decoded, trimmed_draft = build_record(task, limit), fitted(draft, limit)
+        assert trimmed_draft.trimmed is not None and trimmed_draft.trimmed == trimmed_decoded.trimmed
+        assert json.loads(trimmed_draft.value) == json.loads(trimmed_decoded.value)
+    await store.close()

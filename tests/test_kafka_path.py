@@ -352,18 +352,18 @@ async def test_a_dlq_publish_the_store_cannot_record_yet_is_not_sent_twice(
     full = True
     tries = 0
     async with running_bridge(config) as bridge:
-        real_mark = bridge.store.mark_dlq_published
+        real_mark = bridge.store.mark_dlq_published_many
 
-        async def mark(*args: object, **kw: object) -> bool:
+        async def mark(*args: object, **kw: object) -> int:
             nonlocal tries
             if full:
                 tries += 1
                 raise StoreError("database or disk is full")
             return await real_mark(*args, **kw)  # type: ignore[arg-type]
 
-        bridge.store.mark_dlq_published = mark  # type: ignore[method-assign]
+        bridge.store.mark_dlq_published_many = mark  # type: ignore[method-assign]
         await aread_dlq(kafka.bootstrap_servers, dlq, expect=5)
-        await wait_until(lambda: tries >= 15, within=30, what="marks retried meanwhile")
+        await wait_until(lambda: tries >= 6, within=30, what="marks retried meanwhile")
         full = False
         await wait_until(lambda: bridge.dlq.published == 5, within=30, what="marks recorded once space returns")
         assert await bridge.store.dlq_outbox() == []

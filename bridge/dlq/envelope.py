@@ -35,22 +35,28 @@ class DlqRecord:
 
 
 def envelope(task: Task) -> dict[str, Any]:
+    return _body(task, [a.to_json() for a in task.attempts])
+
+
+def _body(task: Task, attempts: list[dict[str, Any]] | orjson.Fragment) -> dict[str, Any]:
     reason = task.dead_reason
     return {
         "schema": SCHEMA,
         "task": task.to_json(),
         "reason": {"type": reason.type, "message": reason.message} if reason else None,
-        "attempts": [a.to_json() for a in task.attempts],
+        "attempts": attempts,
     }
 
 
-def dlq_headers(task: Task, traceparent: str | None = None) -> list[tuple[str, bytes | None]]:
+def dlq_headers(task: Task, traceparent: str | None = None,
+                attempts: int | None = None) -> list[tuple[str, bytes | None]]:
+    """`attempts`: how many the envelope carries, when `task.attempts` was not read (the outbox's draft)."""
     ours: list[tuple[str, bytes | None]] = [
         ("rdq.task_id", task.id.encode()),
         ("rdq.queue", task.queue.encode()),
         ("rdq.source", task.headers.get(SOURCE, "").encode()),
         ("rdq.error.type", (task.dead_reason.type if task.dead_reason else "").encode()),
-        ("rdq.attempts", str(len(task.attempts)).encode()),
+        ("rdq.attempts", str(len(task.attempts) if attempts is None else attempts).encode()),
     ]
     traceparent = traceparent or task.headers.get(TRACEPARENT)
     if traceparent:
@@ -71,13 +77,27 @@ def _encode(body: dict[str, Any]) -> bytes:
 def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqRecord:
     """The §6 v1 record for a DEAD task, trimmed to fit `limit` bytes if it must be."""
     body = envelope(task)
-    key, headers = source_key(task.headers), dlq_headers(task, traceparent)
-    record = DlqRecord(key, _encode(body), headers, None)
+    record = DlqRecord(source_key(task.headers), _encode(body), dlq_headers(task, traceparent), None)
+    return fitted(record, limit, body)
+
+
+def draft_record(task: Task, attempts_json: list[str], traceparent: str | None = None) -> DlqRecord:
+    """The §6 v1 record untrimmed, its attempts embedded as the store encoded them (one JSON object each, oldest
+    first): the DLQ publisher's way, which never decodes an attempt. `fitted` trims it if it must be."""
+    attempts = orjson.Fragment("[" + ",".join(attempts_json) + "]")
+    headers = dlq_headers(task, traceparent, attempts=len(attempts_json))
+    return DlqRecord(source_key(task.headers), _encode(_body(task, attempts)), headers, None)
+
+
+def fitted(record: DlqRecord, limit: int, body: dict[str, Any] | None = None) -> DlqRecord:
+    """`record` if it fits `limit` bytes, else trimmed: stacks, then middle attempts, then messages. `body`: its
+    envelope as a dict, when at hand (else decoded from the record's value)."""
     if record.size <= limit:
         return record
-    body = copy.deepcopy(body)
+    body = copy.deepcopy(body) if body is not None else orjson.loads(record.value)
     trimmed: dict[str, Any] = {"original_bytes": record.size}
     body["trimmed"] = trimmed
+    key, headers = record.key, record.headers
 
     def over() -> int:
         """Bytes past the limit as the body stands now (<= 0: it fits)."""
@@ -88,13 +108,6 @@ def build_record(task: Task, limit: int, traceparent: str | None = None) -> DlqR
         if over() <= 0:
             break
     return DlqRecord(key, _encode(body), headers, trimmed)
-
-
-def surely_fits(task: Task, limit: int) -> bool:
-    """A cheap upper bound on the record's size (base64 payload, stacks and messages, escaping) under `limit`."""
-    text = sum(len(a.error.stack or "") + len(a.error.message) for a in task.attempts if a.error)
-    bound = 2 * len(task.payload) + 6 * text + 1000 * (len(task.attempts) + len(task.headers)) + 8000
-    return bound < limit
 
 
 def _errors(body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, cast
 
@@ -23,17 +23,19 @@ from bridge.aio import Backoff, first_of
 from bridge.changelog.writer import ChangelogWriter
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
-from bridge.dlq.envelope import build_record, surely_fits
+from bridge.dlq.envelope import draft_record, fitted
 from bridge.kafka_clients import dlq_batch_bytes, topic_max_message_bytes
 from bridge.model import Task
 from bridge.records import TRACEPARENT
 from bridge.store.database import StoreError
+from bridge.store.outbox import OutboxEntry
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _RETRY_FIRST = 5.0  # an outbox entry whose publish failed waits this long, doubling per failure…
 _RETRY_MAX = 300.0  # …up to this; the entries behind it do not wait for it
+_STUCK_EVERY_MS = 1000
 
 
 class DlqPublisher:
@@ -57,10 +59,15 @@ class DlqPublisher:
         self.changelog = changelog
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, Task] = {}
+        self._next: Awaitable[list[OutboxEntry]] | None = None  # the next batch, read while this one goes out
         self._stuck_queues: set[str] = set()
+        self._stuck_checked = -_STUCK_EVERY_MS
+        self._failures_since_check = False
         self._stopping = False
         self._limits: dict[str, int] = {}
         self._marking: set[asyncio.Task[None]] = set()
+        self._acked: list[tuple[Task, str, int, int]] = []  # acknowledged, not yet marked published
+        self._marker: asyncio.Task[None] | None = None
         self._polling = threading.Event()
         self.published = 0
 
@@ -93,16 +100,23 @@ class DlqPublisher:
     async def publish_due(self) -> int:
         """Send every unpublished DEAD task due for a try and not already on its way. Returns how many were sent.
 
-        One entry that cannot be built or sent is given its own retry time and error (kept in the store) and the
-        others go on: nothing about one task blocks the outbox, or stops the bridge."""
+        The next batch is read (on the store's reader thread) while this one is built and produced: its read
+        skips this batch's entries as well as those on their way. One entry that cannot be built or sent is given
+        its own retry time and error (kept in the store) and the others go on: nothing about one task blocks the
+        outbox, or stops the bridge."""
+        prefetched, self._next = self._next, None
+        entries = await (prefetched or self._read(()))
+        if len(entries) >= self.batch:
+            self._next = asyncio.ensure_future(self._read(entry.task.id for entry in entries))
         sent = 0
-        for task in await self.store.dlq_outbox(self.batch, self.clock.now_ms(), skip=self._pending):
+        for entry in entries:
+            task = entry.task
             if task.id in self._pending:
                 continue  # a guard: the read skipped the pending ones
             topic = self.topic_for(task)
             try:
                 limit = await self._limit(topic)
-                await self._produce(task, topic, limit)
+                await self._produce(entry, topic, limit)
             except BufferError:
                 break  # the producer queue is full: the rest go next round
             except Exception as e:  # KafkaException, or an envelope that cannot be built (bad data in the task)
@@ -114,14 +128,18 @@ class DlqPublisher:
         await self._report_stuck()
         return sent
 
-    async def _produce(self, task: Task, topic: str, limit: int) -> None:
+    def _read(self, also_skip: Iterable[str]) -> Awaitable[list[OutboxEntry]]:
+        skip = [*self._pending, *also_skip]
+        return self.store.dlq_outbox_entries(self.batch, self.clock.now_ms(), skip=skip)
+
+    async def _produce(self, entry: OutboxEntry, topic: str, limit: int) -> None:
+        task = entry.task
         with self.telemetry.publish_span(task.id, task.queue, topic, task.headers) as span:
             # Traced: the record carries the publish span's context (same trace); untraced: the source's.
             traceparent = self.telemetry.traceparent_of(span, task.headers.get(TRACEPARENT))
-            if surely_fits(task, limit):
-                record = build_record(task, limit, traceparent)
-            else:  # trimming a long history re-encodes a large envelope: not on the event loop
-                record = await asyncio.to_thread(build_record, task, limit, traceparent)
+            record = draft_record(task, entry.attempts_json, traceparent)
+            if record.size > limit:  # trimming re-encodes a large envelope: not on the event loop
+                record = await asyncio.to_thread(fitted, record, limit)
             if record.trimmed:
                 log.warning("DLQ record trimmed to fit %s (%d bytes): %s", topic, limit, record.trimmed,
                             extra={"task_id": task.id, "queue": task.queue})
@@ -139,6 +157,12 @@ class DlqPublisher:
                                    on_delivery=partial(self._on_delivery, task))
 
     async def _report_stuck(self) -> None:
+        """The stuck-entries gauge, at most once a second (a count over the outbox: per batch it cost up to 12% of
+        the publisher's time) or at once after a failed publish was recorded."""
+        now = self.clock.now_ms()
+        if now - self._stuck_checked < _STUCK_EVERY_MS and not self._failures_since_check:
+            return
+        self._stuck_checked, self._failures_since_check = now, False
         stuck = await self.store.dlq_stuck()
         gauge = self.telemetry.metrics.dlq_stuck
         for queue in set(self._stuck_queues) | set(stuck):
@@ -184,36 +208,48 @@ class DlqPublisher:
                       extra={"task_id": task.id})
         finally:
             self._pending.pop(task.id, None)  # only now: until recorded, the next round must not take it again
+            self._failures_since_check = True
 
     def _delivered(self, task: Task, topic: str, partition: int, offset: int) -> None:
-        marking = asyncio.ensure_future(self._mark(task, topic, partition, offset))
-        self._marking.add(marking)
-        marking.add_done_callback(self._marking.discard)
+        """Acknowledged: marked with the acknowledgements that came with it, in one store write."""
+        self._acked.append((task, topic, partition, offset))
+        if self._marker is None or self._marker.done():
+            self._marker = asyncio.ensure_future(self._mark_acked())
+            self._marking.add(self._marker)
+            self._marker.add_done_callback(self._marking.discard)
 
-    async def _mark(self, task: Task, topic: str, partition: int, offset: int) -> None:
-        """Record where the broker put it. While the store cannot be written (full disk) the mark is retried and
-        the entry stays pending here: sending it again would put a duplicate in the DLQ. Only a stop (or a crash)
-        before the mark is written leaves it to be republished: a duplicate, never a loss."""
+    async def _mark_acked(self) -> None:
+        while self._acked:
+            marks, self._acked = self._acked, []
+            await self._mark(marks)
+
+    async def _mark(self, marks: list[tuple[Task, str, int, int]]) -> None:
+        """Record where the broker put them. While the store cannot be written (full disk) the marks are retried
+        and the entries stay pending here: sending them again would put duplicates in the DLQ. Only a stop (or a
+        crash) before the marks are written leaves them to be republished: a duplicate, never a loss."""
         backoff = Backoff(0.1, 5.0)
         try:
             while True:
                 try:
-                    await self.store.mark_dlq_published(task, topic, partition, offset, self.clock.now_ms(),
-                                                        logged=self.changelog is not None)
+                    await self.store.mark_dlq_published_many(marks, self.clock.now_ms(),
+                                                             logged=self.changelog is not None)
                     break
                 except StoreError as e:
                     if self._stopping:
-                        log.error("could not record the DLQ publish (republished after the restart): %s", e,
-                                  extra={"task_id": task.id})
+                        log.error("could not record %d DLQ publishes (republished after the restart): %s",
+                                  len(marks), e, extra={"task_id": marks[0][0].id})
                         return
-                    log.warning("could not record the DLQ publish yet (retrying): %s", e, extra={"task_id": task.id})
+                    log.warning("could not record %d DLQ publishes yet (retrying): %s", len(marks), e,
+                                extra={"task_id": marks[0][0].id})
                     await backoff.sleep()
-            self.published += 1
-            self.telemetry.metrics.dlq_published.labels(task.queue).inc()
-            log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
-                     extra={"task_id": task.id, "queue": task.queue})
+            for task, topic, partition, offset in marks:
+                self.published += 1
+                self.telemetry.metrics.dlq_published.labels(task.queue).inc()
+                log.info("dead-lettered to %s/%d/%d", topic, partition, offset,
+                         extra={"task_id": task.id, "queue": task.queue})
         finally:
-            self._pending.pop(task.id, None)
+            for task, *_ in marks:
+                self._pending.pop(task.id, None)
 
     async def _finish(self, poller: threading.Thread) -> None:
         self._stopping = True
@@ -223,3 +259,6 @@ class DlqPublisher:
         await asyncio.to_thread(poller.join, 5.0)
         if self._marking:
             await asyncio.wait(list(self._marking), timeout=5.0)
+        if self._next is not None:  # a batch read ahead, not to be sent now: its entries stay in the outbox
+            with contextlib.suppress(StoreError):
+                await self._next

@@ -283,6 +283,23 @@ SELECT * FROM redrives WHERE task_id = :id ORDER BY redrive_no;
 -- The attempts of several tasks at once (:ids is a JSON array), for the changelog outbox.
 SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
 
+-- name: attempts_json_of_many
+-- The attempts of the DLQ outbox's tasks, each already the JSON object its envelope carries (SPEC §6: times
+-- RFC 3339 in UTC with milliseconds) but late_result_of and note, rarely set, which the reader appends when they
+-- are (json_patch would parse every object again): the publisher embeds them as they are, never decoding an
+-- attempt it only passes on.
+SELECT task_id, json_object(
+         'attempt_no', attempt_no, 'redrive_no', redrive_no,
+         'started_at', strftime('%Y-%m-%dT%H:%M:%S', started_at / 1000, 'unixepoch')
+                       || printf('.%03dZ', started_at % 1000),
+         'finished_at', strftime('%Y-%m-%dT%H:%M:%S', finished_at / 1000, 'unixepoch')
+                        || printf('.%03dZ', finished_at % 1000),
+         'outcome', outcome,
+         'error', CASE WHEN error_type IS NULL THEN NULL ELSE json_object(
+                    'type', error_type, 'message', COALESCE(error_message, ''), 'stack', error_stack) END,
+         'worker', worker) AS body, late_result_of, note
+  FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
+
 -- name: redrives_of_many
 SELECT * FROM redrives WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, redrive_no;
 
