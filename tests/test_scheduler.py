@@ -615,3 +615,43 @@ async def test_a_probe_failing_during_an_outage_spends_no_attempt(h: Harness) ->
     probes = [a for a in task.attempts if a.note == PROBE_NOTE]
     assert len(probes) >= 5 and all(a.outcome == Outcome.RETRYABLE_FAILURE and a.attempt_no == 2 for a in probes)
     assert task.attempts[-1].outcome == Outcome.SUCCESS and task.attempt_count == 2
+
+
+async def test_a_zero_backoff_retry_is_claimed_in_the_commit_that_stores_it(h: Harness) -> None:
+    """Issue 25 item 4: a first delivery's failure due at once is claimed behind its insert, in the same group
+    commit (before: stored PENDING, then the scheduler woke and claimed it in a commit of its own)."""
+    import sqlite3
+
+    calls: list[int] = []
+    h.registry.register("flaky", flaky_handler(1, calls))
+    engine = await h.start(q={"handler": "flaky", "max_attempts": 3,
+                              "backoff": {"kind": "fixed", "base": 0, "jitter": "none"}})
+    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.threads, "test-1",
+                             hooks=engine.hooks)
+    await asyncio.sleep(0.2)  # the queue loop idle
+    before = engine.store.stats.batches
+    assert await delivery.handle(SourceRecord("t", 0, 7, None, b"{}", 1, ()), "q") == Status.PENDING
+    # No await since: what the store holds now is what that one commit wrote.
+    with sqlite3.connect(engine.store.db.path) as conn:
+        [(status, owner)] = conn.execute("SELECT status, lease_owner FROM tasks").fetchall()
+    assert engine.store.stats.batches - before == 1
+    assert (status, owner) == ("IN_FLIGHT", "test-1")
+    [task] = await engine.store.list_tasks("q")
+    assert (await h.wait_status(task.id, Status.SUCCEEDED)).attempt_count == 2 and calls == [1, 2]
+
+
+async def test_a_paused_or_held_queue_claims_nothing_behind_a_stored_failure(h: Harness) -> None:
+    calls: list[int] = []
+    h.registry.register("flaky", flaky_handler(1, calls))
+    engine = await h.start(q={"handler": "flaky", "max_attempts": 3,
+                              "backoff": {"kind": "fixed", "base": 0, "jitter": "none"}})
+    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.threads, "test-1",
+                             hooks=engine.hooks)
+    engine.scheduler.paused.add("q")
+    assert await delivery.handle(SourceRecord("t", 0, 8, None, b"{}", 1, ()), "q") == Status.PENDING
+    await asyncio.sleep(0.3)
+    [task] = await engine.store.list_tasks("q")
+    assert task.status == Status.PENDING and calls == [1]
+    engine.scheduler.paused.discard("q")
+    engine.scheduler.wake("q")
+    assert (await h.wait_status(task.id, Status.SUCCEEDED)).attempt_count == 2

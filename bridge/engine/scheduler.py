@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from bridge.aio import first_of
 from bridge.clock import Clock
@@ -18,6 +18,7 @@ from bridge.config import QueueConfig
 from bridge.engine.attempt import Attempts, Execution
 from bridge.engine.breaker import Breaker, Breakers, State
 from bridge.engine.recorder import Recorder
+from bridge.engine.release import finish_or_release
 from bridge.engine.runner import RunOutcome
 from bridge.engine.threads import HandlerThreads
 from bridge.hooks import Hooks
@@ -59,6 +60,9 @@ class Scheduler:
         self._slot_open: dict[str, asyncio.Event] = {}  # for tasks claimed ahead, waiting for a slot (one-shot)
         self._stopping = False
         self.hooks.task_pending.subscribe(self.wake)  # a new PENDING task, a retry due now: look again at once
+        self.hooks.due_tasks_queued.subscribe(self.claim_behind)
+        self._claiming: dict[str, int] = {}  # slots asked for by claims not yet answered, by queue
+        self._claiming_behind: set[asyncio.Future[int]] = set()
         self.recorder = Recorder(store, self.breakers, clock, instance_id, self.telemetry, self.hooks,
                                  lambda task: self.on_dead(task) if self.on_dead is not None else None, rand)
         self.attempts = Attempts(store, registry, config, clock, instance_id, threads, self.telemetry, self.hooks,
@@ -168,15 +172,48 @@ class Scheduler:
         breaker = self.breakers.of(name)
         if breaker.state == State.HALF_OPEN:
             return await self._probe(name, queue, breaker)
-        limit = self._limit(queue, name)
-        free = 2 * limit - self.running_count(name) - self._waiting_count(name)
+        free = self._free(name, queue)
+        if free <= 0:
+            return 0
+        return await self._claim(name, free, self.store.queue_claim(name, free, queue.lease, self.instance_id,
+                                                                    self.clock.now_ms()))
+
+    def claim_behind(self, name: str) -> None:
+        """Due tasks of `name` are queued for the store's next commit (a first delivery's zero-backoff retries):
+        queue a claim behind them now, so they are claimed in the transaction that stores them — no commit of
+        its own, no wait for the queue loop's wake-up. Only where run_once would claim as much (a half-open
+        breaker's probes are the queue loop's)."""
+        queue = self.config.queue(name)
+        if (queue is None or queue.remote or self._stopping or self._holding(name, queue)
+                or self.breakers.of(name).state == State.HALF_OPEN):
+            return
+        free = self._free(name, queue)
+        if free > 0:
+            claimed = self._claim(name, free, self.store.queue_claim(name, free, queue.lease, self.instance_id,
+                                                                     self.clock.now_ms()))
+            self._claiming_behind.add(claim := asyncio.ensure_future(claimed))
+            claim.add_done_callback(self._claimed_behind)
+
+    def _claimed_behind(self, claim: asyncio.Future[int]) -> None:
+        self._claiming_behind.discard(claim)
+        if not claim.cancelled() and claim.exception() is not None:
+            log.error("claim failed: %s", claim.exception())
+
+    def _free(self, name: str, queue: QueueConfig) -> int:
+        """How many may be claimed now: twice the slots (claimed ahead), less those running, waiting for a slot
+        or being claimed."""
+        free = 2 * self._limit(queue, name) - self.running_count(name) - self._waiting_count(name)
         handler = self.registry.get(queue.handler)
         if handler is not None and not handler.is_async and self.threads is not None:
             free = min(free, 2 * self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
-        if free <= 0:
-            return 0
-        return self._start(await self.store.claim_due(name, free, queue.lease, self.instance_id,
-                                                      self.clock.now_ms()))
+        return free - self._claiming.get(name, 0)
+
+    async def _claim(self, name: str, free: int, claim: Awaitable[list[Task]]) -> int:
+        self._claiming[name] = self._claiming.get(name, 0) + free
+        try:
+            return self._start(await claim)
+        finally:
+            self._claiming[name] -= free
 
     async def _probe(self, name: str, queue: QueueConfig, breaker: Breaker) -> int:
         """Half-open: claim the probes (the tasks due first), no more; with none waiting at all, close."""
@@ -281,40 +318,11 @@ class Scheduler:
         a sync handler still running in its thread is abandoned: its task runs again (at-least-once).
         """
         self._stopping = True
-        pending = list(self._running.values())
-        if pending:
-            waits = [asyncio.ensure_future(e.done.wait()) for e in pending]
-            await asyncio.wait(waits, timeout=grace)
-            for w in waits:
-                w.cancel()
-        left = list(self._running.values())
-        released = await asyncio.shield(self._release(left))
-        return released
+        return await finish_or_release(lambda: list(self._running.values()), grace, self.store, self.clock)
 
     async def hand_over(self, homes: set[tuple[str, int]], grace: float) -> int:
         """Partitions revoked (SPEC §10): their tasks are no longer claimed here (the store scopes claims to the
         active homes); running attempts of theirs finish within `grace`, the rest are released. Returns how
         many leases were released."""
-        pending = [e for e in self._running.values() if e.task.home in homes]
-        if pending:
-            waits = [asyncio.ensure_future(e.done.wait()) for e in pending]
-            await asyncio.wait(waits, timeout=grace)
-            for w in waits:
-                w.cancel()
-        left = [e for e in self._running.values() if e.task.home in homes]
-        return await asyncio.shield(self._release(left))
-
-    async def _release(self, executions: list[Execution]) -> int:
-        released = 0
-        for execution in executions:
-            if execution.ctx is not None:
-                execution.ctx.lose_lease()
-            if execution.running is not None:
-                execution.running.abandon()
-            try:
-                if await self.store.release(execution.task.id, execution.task.lease_token, self.clock.now_ms()):
-                    released += 1
-            except StoreError as e:
-                log.error("could not release a lease (the sweep will reclaim it): %s", e,
-                          extra={"task_id": execution.task.id})
-        return released
+        return await finish_or_release(lambda: [e for e in self._running.values() if e.task.home in homes], grace,
+                                       self.store, self.clock)

@@ -341,7 +341,8 @@ class FirstDelivery:
         backoff = Backoff(0.05, _STORE_RETRY_MAX)
         while True:
             try:
-                errors: list[StoreError | None] = await self.store.submit_many(waiting)
+                errors: list[StoreError | None] = await self.store.submit_many(
+                    waiting, functools.partial(self._due_queued, waiting))
             except StoreError as e:  # the store is closed
                 errors = [e] * len(waiting)
             failed = [(task, error) for task, error in zip(waiting, errors, strict=True) if error is not None]
@@ -357,6 +358,13 @@ class FirstDelivery:
         for task in tasks:
             self._stored(task)
         return [Stored(task.status, task.id) for task in tasks]
+
+    def _due_queued(self, tasks: list[NewTask]) -> None:
+        """The tasks are queued for the store's next commit: the scheduler may claim those due now behind them,
+        in the same transaction (a zero-backoff retry then costs no commit of its own)."""
+        now = self.clock.now_ms()
+        for queue in {t.queue for t in tasks if t.status == Status.PENDING and (t.next_attempt_at or 0) <= now}:
+            self.hooks.due_tasks_queued(queue)
 
     def _stored(self, task: NewTask) -> None:
         metrics = self.telemetry.metrics

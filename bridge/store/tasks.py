@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import json
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +91,15 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
 
         return await self.db.write(functools.partial(_insert_task, task), new_task=task)
 
-    async def submit_many(self, tasks: list[NewTask]) -> list[StoreError | None]:
+    async def submit_many(self, tasks: list[NewTask],
+                          queued: Callable[[], None] | None = None) -> list[StoreError | None]:
         """Store a batch of first-delivery failures: queued together, so they share group commits (one when the
         writer is idle), without an asyncio task each. Per task: None once durable, or the StoreError it got
-        (one bad row fails alone)."""
+        (one bad row fails alone). `queued`: called once they are queued, before they commit (a write queued
+        then joins their transaction, after their inserts)."""
         futures = [self.db.enqueue(functools.partial(_insert_task, task), task) for task in tasks]
+        if queued is not None:
+            queued()
         outcomes = await asyncio.gather(*futures, return_exceptions=True)
         errors: list[StoreError | None] = []
         for outcome in outcomes:
@@ -107,6 +111,11 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
     # ---- claim and lease -------------------------------------------------------------------------------
 
     async def claim_due(self, queue: str, limit: int, lease: float, owner: str, now: int) -> list[Task]:
+        return await self.queue_claim(queue, limit, lease, owner, now)
+
+    def queue_claim(self, queue: str, limit: int, lease: float, owner: str, now: int) -> Awaitable[list[Task]]:
+        """`claim_due`, queued for the next group commit before this returns: behind writes queued just before
+        (the tasks a first delivery is storing), in their transaction."""
         params = {"queue": queue, "limit": limit, "lease_ms": ms(lease), "owner": owner, "now": now,
                   "scoped": self.scoped}
         def claim(conn: sqlite3.Connection) -> tuple[list[Any], set[str]]:
@@ -116,7 +125,10 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
             ids = {"ids": json.dumps([r["id"] for r in rows])}
             return rows, {r[0] for r in conn.execute(q("lost_a_lease"), ids)}
 
-        rows, lost = await self.db.write(claim)
+        return self._claimed(self.db.enqueue(claim))
+
+    async def _claimed(self, claim: Awaitable[tuple[list[Any], set[str]]]) -> list[Task]:
+        rows, lost = await claim
         tasks = (Task.from_row(r) for r in rows)
         tasks = (dataclasses.replace(t, lost_lease=True) if t.id in lost else t for t in tasks)
         # RETURNING order is unspecified: start the longest overdue first.
