@@ -617,17 +617,23 @@ async def test_a_probe_failing_during_an_outage_spends_no_attempt(h: Harness) ->
     assert task.attempts[-1].outcome == Outcome.SUCCESS and task.attempt_count == 2
 
 
-async def test_a_zero_backoff_retry_is_claimed_in_the_commit_that_stores_it(h: Harness) -> None:
-    """Issue 25 item 4: a first delivery's failure due at once is claimed behind its insert, in the same group
-    commit (before: stored PENDING, then the scheduler woke and claimed it in a commit of its own)."""
-    import sqlite3
-
+async def zero_backoff_delivery(h: Harness) -> tuple[Engine, FirstDelivery, list[int]]:
+    """A queue whose first attempt fails and whose retry is due at once; a first delivery sharing its hooks."""
     calls: list[int] = []
     h.registry.register("flaky", flaky_handler(1, calls))
     engine = await h.start(q={"handler": "flaky", "max_attempts": 3,
                               "backoff": {"kind": "fixed", "base": 0, "jitter": "none"}})
     delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.threads, "test-1",
                              hooks=engine.hooks)
+    return engine, delivery, calls
+
+
+async def test_a_zero_backoff_retry_is_claimed_in_the_commit_that_stores_it(h: Harness) -> None:
+    """Issue 25 item 4: a first delivery's failure due at once is claimed behind its insert, in the same group
+    commit (before: stored PENDING, then the scheduler woke and claimed it in a commit of its own)."""
+    import sqlite3
+
+    engine, delivery, calls = await zero_backoff_delivery(h)
     await asyncio.sleep(0.2)  # the queue loop idle
     before = engine.store.stats.batches
     assert await delivery.handle(SourceRecord("t", 0, 7, None, b"{}", 1, ()), "q") == Status.PENDING
@@ -641,12 +647,7 @@ async def test_a_zero_backoff_retry_is_claimed_in_the_commit_that_stores_it(h: H
 
 
 async def test_a_paused_or_held_queue_claims_nothing_behind_a_stored_failure(h: Harness) -> None:
-    calls: list[int] = []
-    h.registry.register("flaky", flaky_handler(1, calls))
-    engine = await h.start(q={"handler": "flaky", "max_attempts": 3,
-                              "backoff": {"kind": "fixed", "base": 0, "jitter": "none"}})
-    delivery = FirstDelivery(engine.store, engine.config, h.registry, engine.clock, engine.threads, "test-1",
-                             hooks=engine.hooks)
+    engine, delivery, calls = await zero_backoff_delivery(h)
     engine.scheduler.paused.add("q")
     assert await delivery.handle(SourceRecord("t", 0, 8, None, b"{}", 1, ()), "q") == Status.PENDING
     await asyncio.sleep(0.3)
