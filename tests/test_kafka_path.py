@@ -332,6 +332,42 @@ async def test_one_dlq_record_that_cannot_be_published_does_not_block_the_others
         assert [p for p in asyncio.all_tasks() if p.get_name() == "rdq-dlq" and p.done()] == []  # still publishing
 
 
+async def test_a_dlq_batch_read_ahead_that_fails_is_read_again_and_nothing_is_left(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """The publisher reads the next batch while this one goes out. A read ahead that fails (the store unreadable
+    for a moment) is dropped and read again: awaited again each round, its failure stalled the outbox for good."""
+    from bridge.model import ErrorInfo
+    from bridge.store.database import StoreError
+    from tests.helpers import failure
+
+    dlq = f"dlq-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": dlq}})
+    async with running_bridge(config) as bridge:
+        bridge.dlq.batch = 4
+        real_read = bridge.store.dlq_outbox_entries
+        after_full: list[bool] = []
+        failed = 0
+
+        async def read(*args: object, **kw: object) -> list[object]:
+            nonlocal failed
+            if after_full and not failed:
+                failed += 1
+                raise StoreError("disk I/O error")
+            entries = await real_read(*args, **kw)  # type: ignore[arg-type]
+            if len(entries) == 4:
+                after_full.append(True)
+            return entries  # type: ignore[return-value]
+
+        bridge.store.dlq_outbox_entries = read  # type: ignore[method-assign,assignment]
+        tasks = [failure(dead=ErrorInfo("Permanent", "no"), now=1_000 + i) for i in range(10)]
+        assert await bridge.store.submit_many(tasks) == [None] * 10
+        await wait_until(lambda: bridge.dlq.published == 10, within=30, what="every entry published")
+        assert failed == 1
+    records = await aread_dlq(kafka.bootstrap_servers, dlq)
+    assert sorted(r.headers["rdq.task_id"].decode() for r in records) == sorted(t.id for t in tasks)  # once each
+
+
 async def test_a_dlq_publish_the_store_cannot_record_yet_is_not_sent_twice(
         kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
     """The broker acknowledged the DLQ record, but the store could not record it (a full disk fails the whole
