@@ -656,3 +656,32 @@ async def test_a_paused_or_held_queue_claims_nothing_behind_a_stored_failure(h: 
     engine.scheduler.paused.discard("q")
     engine.scheduler.wake("q")
     assert (await h.wait_status(task.id, Status.SUCCEEDED)).attempt_count == 2
+
+
+async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twice_the_slots(
+        tmp_path: Path) -> None:
+    """A claim queued behind a first delivery's inserts counts its slots at once: counted only when its coroutine
+    first ran, the queue loop looking in between claimed the same slots again (4 claimed for concurrency 1)."""
+    registry = Registry()
+    release = asyncio.Event()
+
+    async def hold(ctx: HandlerContext) -> None:
+        await release.wait()
+
+    registry.register("hold", hold)
+    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "hold", "concurrency": 1})
+    store = await Store.open(config.store.path)
+    engine = Engine(store, LiveConfig(config), registry, instance_id="test-1")
+    try:
+        assert await store.submit_many([failure(handler="hold", now=engine.clock.now_ms()) for _ in range(6)]) \
+            == [None] * 6
+        engine.scheduler.claim_behind("q")
+        [behind] = engine.scheduler._claiming_behind
+        claimed = await engine.scheduler.run_once("q")  # the queue loop, before the claim behind has run
+        assert claimed + await behind <= 2
+        assert sum(1 for t in await store.list_tasks("q") if t.status == Status.IN_FLIGHT) == 2
+    finally:
+        release.set()
+        await engine.scheduler.drain(2.0)
+        engine.close()
+        await store.close()

@@ -175,8 +175,7 @@ class Scheduler:
         free = self._free(name, queue)
         if free <= 0:
             return 0
-        return await self._claim(name, free, self.store.queue_claim(name, free, queue.lease, self.instance_id,
-                                                                    self.clock.now_ms()))
+        return await self._queue_claim(name, queue, free)
 
     def claim_behind(self, name: str) -> None:
         """Due tasks of `name` are queued for the store's next commit (a first delivery's zero-backoff retries):
@@ -189,9 +188,7 @@ class Scheduler:
             return
         free = self._free(name, queue)
         if free > 0:
-            claimed = self._claim(name, free, self.store.queue_claim(name, free, queue.lease, self.instance_id,
-                                                                     self.clock.now_ms()))
-            self._claiming_behind.add(claim := asyncio.ensure_future(claimed))
+            self._claiming_behind.add(claim := asyncio.ensure_future(self._queue_claim(name, queue, free)))
             claim.add_done_callback(self._claimed_behind)
 
     def _claimed_behind(self, claim: asyncio.Future[int]) -> None:
@@ -208,8 +205,15 @@ class Scheduler:
             free = min(free, 2 * self.threads.pool(name).free())  # hung sync handlers hold threads: claim no more
         return free - self._claiming.get(name, 0)
 
-    async def _claim(self, name: str, free: int, claim: Awaitable[list[Task]]) -> int:
+    def _queue_claim(self, name: str, queue: QueueConfig, free: int) -> Awaitable[int]:
+        """Queue a claim of up to `free` due tasks for the next group commit, now; its slots count as being
+        claimed from now until it answers (counted when its coroutine first ran, a claim queued behind a first
+        delivery's inserts was not yet counted when the queue loop looked)."""
+        claim = self.store.queue_claim(name, free, queue.lease, self.instance_id, self.clock.now_ms())
         self._claiming[name] = self._claiming.get(name, 0) + free
+        return self._started(name, free, claim)
+
+    async def _started(self, name: str, free: int, claim: Awaitable[list[Task]]) -> int:
         try:
             return self._start(await claim)
         finally:

@@ -38,8 +38,7 @@ class DlqOutbox:
     async def dlq_outbox(self, limit: int = 500, now: int | None = None, skip: Iterable[str] = ()) -> list[Task]:
         """Unpublished DEAD tasks due for a (re)try at `now` (None: all of them), but those in `skip` (on their
         way already: reading them again, attempts and payload, cost the publisher most of its time)."""
-        params = {"limit": limit, "now": 2**62 if now is None else now, "scoped": self.scoped,
-                  "skip": json.dumps(list(skip))}
+        params = self._outbox_params(limit, now, skip)
 
         def read(conn: sqlite3.Connection) -> list[Task]:
             rows = dict_rows(conn.execute(q("dlq_outbox"), params))
@@ -55,8 +54,7 @@ class DlqOutbox:
                                  skip: Iterable[str] = ()) -> list[OutboxEntry]:
         """What `dlq_outbox` reads, for the publisher: each task's attempts left encoded. Decoding 5 attempts per
         task into objects and encoding them again was most of the outbox read's time (bench_kafka dlq)."""
-        params = {"limit": limit, "now": 2**62 if now is None else now, "scoped": self.scoped,
-                  "skip": json.dumps(list(skip))}
+        params = self._outbox_params(limit, now, skip)
 
         def read(conn: sqlite3.Connection) -> list[OutboxEntry]:
             rows = dict_rows(conn.execute(q("dlq_outbox"), params))
@@ -69,6 +67,10 @@ class DlqOutbox:
             return [OutboxEntry(Task.from_row(r, (), r["parked_behind"]), attempts.get(r["id"], [])) for r in rows]
 
         return await self.db.scan(read)
+
+    def _outbox_params(self, limit: int, now: int | None, skip: Iterable[str]) -> dict[str, object]:
+        return {"limit": limit, "now": 2**62 if now is None else now, "scoped": self.scoped,
+                "skip": json.dumps(list(skip))}
 
     async def dlq_publish_failed(self, task_id: str, error: str, next_at: int) -> bool:
         """This entry's publish failed: it waits until `next_at`; the others do not wait for it."""
