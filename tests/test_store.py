@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from bridge.model import ErrorInfo, Outcome, Status, error_type_matches
+from bridge.model import ErrorInfo, Outcome, Status, error_type_matches, order_key_of
 from bridge.store.database import StoreError
 from bridge.store.queries import migrations
 from bridge.store.tasks import Store
@@ -488,3 +489,40 @@ async def test_the_store_and_its_wal_and_shm_are_private_to_the_user(tmp_path: P
     finally:
         os.umask(old)
     assert all(mode & 0o077 == 0 for mode in modes.values()), modes
+
+
+async def _rows(store: Store, table: str, order: str) -> list[tuple[object, ...]]:
+    return await store.db.read(lambda c: [tuple(r) for r in c.execute(f"SELECT * FROM {table} ORDER BY {order}")])
+
+
+async def test_a_batch_stored_at_once_is_the_rows_one_by_one_would_be(tmp_path: Path) -> None:
+    """The bulk insert (a chunk of rows in one statement, cut in chunks of 512, 256, ...) against the one-row
+    statement each task falls back to: 1,100 random tasks, some dead, some with an order key (parked by their own
+    rules), some a redelivered record of another in the batch, binary payloads, Unicode headers. Same rows."""
+    rng = random.Random(25)
+    tasks = []
+    for i in range(1100):
+        dead = rng.random() < 0.2
+        task = failure(dead=ErrorInfo("x.Err", "\u00e9\x00" * rng.randrange(3)) if dead else None,
+                       due_in_ms=rng.randrange(10_000), payload=rng.randbytes(rng.randrange(40)),
+                       version=rng.choice([None, "v1", "\u2603"]))
+        if tasks and rng.random() < 0.05:
+            task = dataclasses.replace(task, headers=rng.choice(tasks).headers)  # redelivered: not stored twice
+        elif rng.random() < 0.1:
+            task = dataclasses.replace(task, headers={**task.headers, "rdq.source": f"kafka://t/{i % 3}/{i}"},
+                                       order_key=order_key_of("t", i % 3, bytes([i % 7])), order_seq=i)
+        elif rng.random() < 0.05:
+            task = dataclasses.replace(task, headers={"h\u00fc": "\U0001f600"})  # no home, no source_ref
+        tasks.append(task)
+    at_once, one_by_one = await Store.open(tmp_path / "bulk.db"), await Store.open(tmp_path / "rows.db")
+    try:
+        assert await at_once.submit_many(tasks) == [None] * len(tasks)
+        assert at_once.stats.largest_batch >= 1000  # the bulk path, not a commit a task
+        for task in tasks:
+            await one_by_one.submit(task)
+        for table, order in [("tasks", "id"), ("attempts", "task_id, seq")]:
+            bulk, rows = await _rows(at_once, table, order), await _rows(one_by_one, table, order)
+            assert len(bulk) > 1000 and bulk == rows
+    finally:
+        await at_once.close()
+        await one_by_one.close()

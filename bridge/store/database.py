@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import sqlite3
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from bridge.model import NewTask
+from bridge.store.bulk import ATTEMPT_WIDTH, TASK_WIDTH, attempt_row, insert_rows, task_row
 from bridge.store.queries import migrations, q
 
 log = logging.getLogger(__name__)
@@ -265,9 +267,15 @@ class Database:
     def _bulk_insert(self, conn: sqlite3.Connection, tasks: list[NewTask]) -> bool:
         conn.execute("SAVEPOINT bulk")
         try:
-            conn.executemany(q("insert_task"), [t.params() for t in tasks])
-            conn.executemany(q("insert_first_attempt"),
-                             [t.first_attempt.params(t.id) for t in tasks if t.first_attempt is not None])
+            # In the batch's order (the first of two tasks for one record wins), runs of tasks without an order
+            # key at once, those with one by insert_task's parking rules.
+            for unordered, run in itertools.groupby(tasks, key=lambda t: t.order_key is None):
+                if unordered:
+                    insert_rows(conn, "insert_tasks_unordered", TASK_WIDTH, [task_row(t) for t in run])
+                else:
+                    conn.executemany(q("insert_task"), [t.params() for t in run])
+            insert_rows(conn, "insert_first_attempts", ATTEMPT_WIDTH,
+                        [attempt_row(t.first_attempt, t.id) for t in tasks if t.first_attempt is not None])
             conn.execute("RELEASE bulk")
             return True
         except Exception:  # sqlite3.Error, or e.g. OverflowError binding a value too large for an INTEGER

@@ -35,6 +35,28 @@ SELECT :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_t
                                               AND o.order_seq > :order_seq))
 ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
 
+-- name: insert_tasks_unordered
+-- Tasks without an order key, many in one statement (:rows: that many VALUES rows, each bound in the columns'
+-- order): SQLite steps once for the whole batch. executemany stepped once a row and gave the GIL up and back each
+-- time, which, with the lanes and the changelog busy in Python, was most of a commit's time. Without an order key
+-- `insert_task`'s parking rules do not apply: a row is its values.
+INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
+                   attempt_count, next_attempt_at, created_at, life_started_at, finished_at,
+                   dead_reason_type, dead_reason_message, dlq_state, source_ref, home_topic, home_partition)
+VALUES :rows
+ON CONFLICT (source_ref) WHERE source_ref IS NOT NULL DO NOTHING;
+
+-- name: insert_first_attempts
+-- The first attempts of many new tasks in one statement (as insert_tasks_unordered): each only where its task was
+-- stored (not a redelivered record's) and has no attempt yet.
+INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
+                      error_type, error_message, error_stack, worker, late_result_of, note)
+SELECT v.column1, 1, v.column2, v.column3, v.column4, v.column5, v.column6,
+       v.column7, v.column8, v.column9, v.column10, v.column11, v.column12
+  FROM (VALUES :rows) AS v
+ WHERE EXISTS (SELECT 1 FROM tasks WHERE id = v.column1)
+   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = v.column1);
+
 -- name: insert_first_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
                       error_type, error_message, error_stack, worker, late_result_of, note)
