@@ -430,10 +430,10 @@ async def failure_run(bootstrap: str, tmp: Path, topic_config: BridgeConfig | No
         return "logged" in marks
 
     _, bridge = await run_bridge_until(run, all_stored_and_logged, registry)
-    steady = n - marks["first_n"]
-    seconds = marks["logged"] - marks["first"]
+    steady = n - marks["first_n"]  # 0 when the first commit held them all (a tiny run): every rate 0, not 0/0
+    seconds = max(marks["logged"] - marks["first"], 1e-9)
     shares = {k: (writer["last"][k] - writer["first"][k]) / seconds for k in writer.get("last", {})}
-    return FailureRun(steady / (marks["stored"] - marks["first"]), steady / seconds, config, bridge, shares)
+    return FailureRun(steady / max(marks["stored"] - marks["first"], 1e-9), steady / seconds, config, bridge, shares)
 
 
 async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
