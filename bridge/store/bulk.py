@@ -7,13 +7,12 @@ bound: the store's writer thread). A chunk of rows bound into one statement is o
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from bridge.model import Attempt, NewTask, Status, home_of
+from bridge.model import Attempt, NewTask
 from bridge.store.queries import q
 
 _CHUNKS = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)  # a batch is cut greedily: few statement texts, each cached
@@ -38,24 +37,23 @@ def _statement(query: str, width: int, size: int) -> str:
     return q(query).replace(":rows", ",".join([row] * size))
 
 
-TASK_WIDTH, ATTEMPT_WIDTH = 19, 12  # the values of one row of insert_tasks_unordered, of insert_first_attempts
+# The columns of insert_tasks_unordered and insert_first_attempts, in their order: a row is taken from `params()`,
+# never written out a second time.
+_TASK_COLUMNS = ("id", "queue", "handler_ref", "handler_version", "payload", "payload_content_type", "headers",
+                 "status", "attempt_count", "next_attempt_at", "created_at", "created_at", "finished_at",
+                 "dead_reason_type", "dead_reason_message", "dlq_state", "source_ref", "home_topic", "home_partition")
+_ATTEMPT_COLUMNS = ("task_id", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
+                    "error_message", "error_stack", "worker", "late_result_of", "note")
+TASK_WIDTH, ATTEMPT_WIDTH = len(_TASK_COLUMNS), len(_ATTEMPT_COLUMNS)
 
 
 def task_row(task: NewTask) -> tuple[Any, ...]:
-    """`task.params()` of a task without an order key, in the columns' order of `insert_tasks_unordered`."""
-    dead = task.status == Status.DEAD
-    home = home_of(task.headers)
-    reason = task.dead_reason
-    return (task.id, task.queue, task.handler_ref, task.handler_version, task.payload, task.payload_content_type,
-            json.dumps(task.headers, separators=(",", ":")), task.status.value, 1 if task.first_attempt else 0,
-            None if dead else task.next_attempt_at, task.created_at, task.created_at,
-            task.created_at if dead else None, reason.type if reason else None, reason.message if reason else None,
-            "PENDING" if dead else None, task.source_ref, home[0] if home else None, home[1] if home else None)
+    """A task without an order key as `insert_tasks_unordered` binds it (life_started_at = created_at)."""
+    params = task.params()
+    return tuple(params[name] for name in _TASK_COLUMNS)
 
 
 def attempt_row(attempt: Attempt, task_id: str) -> tuple[Any, ...]:
-    """`attempt.params(task_id)` in the columns' order of `insert_first_attempts`."""
-    error = attempt.error
-    return (task_id, attempt.attempt_no, attempt.redrive_no, attempt.started_at, attempt.finished_at,
-            attempt.outcome.value, error.type if error else None, error.message if error else None,
-            error.stack if error else None, attempt.worker, attempt.late_result_of, attempt.note)
+    """A first attempt as `insert_first_attempts` binds it."""
+    params = attempt.params(task_id)
+    return tuple(params[name] for name in _ATTEMPT_COLUMNS)
