@@ -260,6 +260,8 @@ def broker_down(tmp: Path, quick: bool) -> Row:
         broker.start()
         produce(config, topic, [(None, p, []) for p in second])
         result = settle(lambda: account(config, log, topic, dlq, 4000), 300)
+        if result.missing:  # what the bridge was doing is the clue; it is gone with the row's directory after
+            print(f"broker row: records still missing; the bridge's last lines:\n{bridge.tail(200)}", file=sys.stderr)
         alive = bridge.alive
         bridge.terminate()
         permanent = sum(b'"fail": 99' in p for p in first + second)
@@ -543,7 +545,7 @@ def main() -> int:
                 row = run()
             except Exception as e:  # a fault that breaks the harness is a failure to report, not to hide
                 traceback.print_exc()
-                row = Row(name, 0, 0, 0, -1, 0, f"ERROR {type(e).__name__}: {e}")
+                row = Row(name, 0, 0, 0, -1, 0, f"ERROR {type(e).__name__}: {str(e).splitlines()[0]}")
             row.note = f"{row.note} ({time.monotonic() - began:.0f} s)".strip()
             rows.append(row)
             print(f"{row.fault}: {row}", flush=True)

@@ -9,6 +9,7 @@ SIGHUP reloads the config (so does a change of the file).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -75,6 +76,10 @@ def _install_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, live:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, live.reload_soon)
+    # `kill -QUIT` prints every thread's stack to stderr and the bridge runs on (as a JVM does): a bridge that
+    # will not stop can be asked where it is stuck. faulthandler writes from the C handler, so it answers even
+    # when the event loop or the GIL is held.
+    faulthandler.register(signal.SIGQUIT, all_threads=True, chain=False)
 
 
 def check_handlers(config: BridgeConfig, registry: Registry) -> None:

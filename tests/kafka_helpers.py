@@ -217,6 +217,10 @@ async def wait_until(predicate: Any, within: float = 60.0, interval: float = 0.1
         await asyncio.sleep(interval)
 
 
+class BridgeHung(AssertionError):
+    """A bridge process that did not stop after SIGTERM; the message holds its stacks and last log lines."""
+
+
 class BridgeProcess:
     """`rdq run` as a child process, for tests that kill it."""
 
@@ -262,13 +266,29 @@ class BridgeProcess:
 
     def terminate(self, timeout: float = 60) -> int:
         import signal
+        import subprocess
 
         deadline = time.monotonic() + timeout
         while self.alive and not self.started() and time.monotonic() < deadline:
             time.sleep(0.1)
         if self.alive:
             self.proc.send_signal(signal.SIGTERM)
-        return int(self.proc.wait(timeout)) if self.proc is not None else 0
+        if self.proc is None:
+            return 0
+        try:
+            return int(self.proc.wait(timeout))
+        except subprocess.TimeoutExpired:
+            raise BridgeHung(self.hung_report(timeout)) from None
+
+    def hung_report(self, timeout: float) -> str:
+        """A bridge that did not stop: its threads' stacks (SIGQUIT, bridge/service.py) and its last log lines,
+        then it is killed."""
+        import signal
+
+        self.proc.send_signal(signal.SIGQUIT)
+        time.sleep(2)
+        self.kill()
+        return f"the bridge did not stop within {timeout:.0f} s of SIGTERM; its stacks and last lines:\n{self.tail(400)}"
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""

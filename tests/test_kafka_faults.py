@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -180,3 +181,31 @@ def test_a_second_bridge_joining_and_leaving_loses_nothing(kafka: KafkaEnv, tmp_
     print(f"\njoin and leave: {result.summary()}")  # type: ignore[attr-defined]
     assert not result.missing  # type: ignore[attr-defined]
     assert example_log(log_path)
+
+
+def test_sigquit_prints_every_threads_stack_and_the_bridge_runs_on(kafka: KafkaEnv, tmp_path: Path,
+                                                                  unique: str) -> None:
+    """A bridge that will not stop can be asked where it is stuck: `kill -QUIT` writes each thread's stack to
+    stderr (the harness prints it when a terminate times out) and the bridge goes on working."""
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    log_path = tmp_path / "example.log"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "mixed": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq}})
+    ensure_topics(config)
+    bridge = BridgeProcess(config, tmp_path / "bridge.yaml", {"RDQ_EXAMPLE_LOG": str(log_path)}).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not bridge.started() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        bridge.proc.send_signal(signal.SIGQUIT)
+        while b"Current thread" not in bridge.log.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dump = bridge.log.read_text(errors="replace")
+        assert "Current thread" in dump and 'File "' in dump, bridge.tail()
+        assert "bridge/service.py" in dump or "asyncio" in dump, dump[-3000:]  # the event loop's thread is there
+        produce(config, topic, [(b"k", b'{"fail": 0}', [])])
+        while not log_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert bridge.alive and log_path.exists(), bridge.tail()  # it handled a record after the dump
+    finally:
+        assert bridge.terminate() == 0, bridge.tail()

@@ -2,7 +2,7 @@
 
 First SIGINT/SIGTERM: every child is sent SIGTERM and stops gracefully (its own grace period); a child still
 running `grace_period + 30 s` later is killed. A second signal kills the children and exits (130). SIGHUP is
-forwarded (each child reloads its config). A child that dies is restarted with backoff (1 s doubling to 30 s,
+forwarded (each child reloads its config), so is SIGQUIT (each child prints its threads' stacks). A child that dies is restarted with backoff (1 s doubling to 30 s,
 back to 1 s after a run of 30 s), counted in `rdq_supervisor_restarts_total` and logged; its partitions move to
 its siblings meanwhile and come back. If the supervisor itself dies, its children see their lifeline close and
 stop by themselves.
@@ -63,6 +63,7 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._forward, signal.SIGHUP)
+        loop.add_signal_handler(signal.SIGQUIT, self._forward, signal.SIGQUIT)  # each child prints its stacks
 
     async def _kill_stragglers(self) -> None:
         await self.stopping.wait()
