@@ -76,6 +76,33 @@ def test_rdq_run_starts_and_stops_gracefully(kafka: KafkaEnv, tmp_path: Path, un
         proc.kill()
 
 
+def test_a_stop_that_hangs_is_cancelled_named_and_the_process_exits(kafka: KafkaEnv, tmp_path: Path,
+                                                                    unique: str) -> None:
+    """uvicorn's rule: drain within a bound, then cancel. The consumer's stop is blocked in a thread for an hour
+    (tests/hang_stop.py; stop budget 3 s): the bridge names the stuck part with its stack, closes the store and
+    exits 1, instead of waiting for ever on the thread (asyncio.run's executor shutdown would)."""
+    config = _config(tmp_path, kafka.bootstrap_servers, unique)
+    tree = yaml.safe_load(config.read_text())
+    tree["engine"] = {"handler_modules": ["handlers", "tests.hang_stop"]}
+    config.write_text(yaml.safe_dump(tree))
+    proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(config)],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "RDQ_HANG_STOP": "1"})
+    assert proc.stderr is not None
+    err = Output(proc.stderr)
+    try:
+        err.wait_for("started", proc)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        text = err.finish()
+        assert code == 1, text
+        assert "rdq-consumer still stopping after 3 s: cancelled" in text, text
+        assert "_blocked_in_a_client_call" in text, text  # where it was stuck
+        assert "rdq bridge" in text and "stopped" in text.split("still stopping", 1)[1], text  # store closed
+        assert "graceful stop overran" in text, text
+    finally:
+        proc.kill()
+
+
 def test_bad_config_fails_at_start_naming_file_and_field(tmp_path: Path) -> None:
     path = write_config(tmp_path / "bad.yaml", {"kafka": {"bootstrap_servers": "x:1"},
                                                  "queues": {"q": {"handler": "ok", "lease": "-5s"}}})

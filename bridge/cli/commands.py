@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -18,8 +19,6 @@ from bridge.config.processes import ChildSpec, process_count
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from bridge.service import serve
-
     config = load_config(args.config)
     if args.processes is not None:
         config = config.model_copy(update={"engine": config.engine.model_copy(update={"processes": args.processes})})
@@ -28,8 +27,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         from bridge.supervisor.supervisor import Supervisor
 
         return asyncio.run(Supervisor(config, Path(args.config), count).run())
-    asyncio.run(serve(config, Path(args.config)))
+    asyncio.run(_serve_to_the_end(config, Path(args.config)))
     return 0
+
+
+async def _serve_to_the_end(config: BridgeConfig, path: Path) -> None:
+    from bridge.engine.core import StopOverran
+    from bridge.service import serve
+
+    try:
+        await serve(config, path)
+    except StopOverran as e:
+        # Logged with each stuck part's stack, the store closed. A thread still blocked in a client call would
+        # keep asyncio.run (its executor's shutdown) and the interpreter from ever exiting: exit now.
+        logging.getLogger("bridge.cli").error("graceful stop overran: %s; exiting", e)
+        logging.shutdown()
+        os._exit(1)
 
 
 def cmd_topics(args: argparse.Namespace) -> int:

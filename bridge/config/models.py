@@ -300,6 +300,13 @@ class EngineConfig(_Model):
     grace_period: Duration = 10.0
     handler_modules: list[str] = Field(default_factory=lambda: ["handlers"])
 
+    @property
+    def stop_budget(self) -> float:
+        """How long a graceful stop may take in all: the running handlers' grace period, the lanes' drain (a
+        grace period again) and the last changelog flush. A part still stopping then is named with its stack
+        and cancelled (bridge/engine/core.py), so a stop always ends; a supervisor kills a child 5 s later."""
+        return 2 * self.grace_period + 25.0
+
 
 class BridgeConfig(_Model):
     kafka: KafkaConfig

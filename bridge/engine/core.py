@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+from typing import Any
 
 from bridge.clock import Clock, SystemClock
 from bridge.engine.scheduler import Scheduler
@@ -113,8 +114,10 @@ class Engine:
         self.threads.shutdown()
 
 
-async def supervise(parts: list[asyncio.Task[None]], stop: asyncio.Event) -> None:
-    """Wait for `stop`; if a part ends first (crash or not), set `stop` and re-raise its error."""
+async def supervise(parts: list[asyncio.Task[None]], stop: asyncio.Event, within: float | None = None) -> None:
+    """Wait for `stop`; if a part ends first (crash or not), set `stop` and re-raise its error. The parts then
+    get `within` seconds to stop; one still running is logged with where it is stuck and cancelled (a stop
+    that hangs would leave the process for a SIGKILL, and the SRE without a clue)."""
     stopper = asyncio.ensure_future(stop.wait())
     try:
         done, _ = await asyncio.wait([*parts, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -122,9 +125,44 @@ async def supervise(parts: list[asyncio.Task[None]], stop: asyncio.Event) -> Non
         stopper.cancel()
     stop.set()
     failed = [p for p in done if p is not stopper and not p.cancelled() and p.exception() is not None]
-    await asyncio.gather(*parts, return_exceptions=True)
+    stuck = await _drain(parts, within)
     if failed:
         error = failed[0].exception()
         log.error("%s stopped with an error; stopping the bridge", failed[0].get_name())
         assert error is not None
         raise error
+    if stuck:
+        raise StopOverran(f"did not stop within {within:.0f} s, cancelled: {', '.join(stuck)}")
+
+
+class StopOverran(RuntimeError):
+    """A graceful stop that had to cancel parts of the bridge (each logged with its stack): a thread may still
+    be blocked in a client call, so the process should exit without waiting for it (bridge/cli/commands.py)."""
+
+
+def awaiting(task: asyncio.Task[None]) -> str:
+    """The chain of coroutines a suspended task is in, one `file:line in name` each (a task's own stack shows
+    only its outermost frame, not what that frame awaits)."""
+    lines: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
+
+
+async def _drain(parts: list[asyncio.Task[None]], within: float | None) -> list[str]:
+    if not parts:
+        return []
+    done, stuck = await asyncio.wait(parts, timeout=within)
+    for part in done:  # retrieved, so none is reported "never retrieved"; the first failure is raised above
+        _ = part.cancelled() or part.exception()
+    for part in stuck:
+        log.error("%s still stopping after %.0f s: cancelled; it was awaiting (outermost first):\n%s",
+                  part.get_name(), within, awaiting(part))
+        part.cancel()
+    if stuck:  # a part that swallows its cancellation is not waited for again
+        await asyncio.wait(stuck, timeout=5.0)
+    return sorted(part.get_name() for part in stuck)

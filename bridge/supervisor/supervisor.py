@@ -1,11 +1,12 @@
 """The supervisor of `engine.processes` bridge processes (`rdq run` when it is more than 1).
 
-First SIGINT/SIGTERM: every child is sent SIGTERM and stops gracefully (its own grace period); a child still
-running `grace_period + 30 s` later is killed. A second signal kills the children and exits (130). SIGHUP is
-forwarded (each child reloads its config), so is SIGQUIT (each child prints its threads' stacks). A child that dies is restarted with backoff (1 s doubling to 30 s,
-back to 1 s after a run of 30 s), counted in `rdq_supervisor_restarts_total` and logged; its partitions move to
-its siblings meanwhile and come back. If the supervisor itself dies, its children see their lifeline close and
-stop by themselves.
+First SIGINT/SIGTERM: every child is sent SIGTERM and stops gracefully (within its stop budget, 2 grace periods
++ 25 s, after which it names and cancels what is stuck and exits 1); a child still running 5 s after its budget
+is killed. A second signal kills the children and exits (130). SIGHUP is forwarded (each child reloads its
+config), so is SIGQUIT (each child prints its threads' stacks). A child that dies is restarted with backoff (1 s
+doubling to 30 s, back to 1 s after a run of 30 s), counted in `rdq_supervisor_restarts_total` and logged; its
+partitions move to its siblings meanwhile and come back. If the supervisor itself dies, its children see their
+lifeline close and stop by themselves.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bridge.supervisor.children import Child
 from bridge.supervisor.gateway import Gateway, SupervisorMetrics
 
 log = logging.getLogger(__name__)
-_KILL_AFTER_GRACE = 30.0
+_KILL_AFTER_BUDGET = 5.0  # a child past its own stop budget logs what is stuck first
 
 
 class Supervisor:
@@ -67,11 +68,11 @@ class Supervisor:
 
     async def _kill_stragglers(self) -> None:
         await self.stopping.wait()
-        await asyncio.sleep(self.config.engine.grace_period + _KILL_AFTER_GRACE)
+        await asyncio.sleep(self.config.engine.stop_budget + _KILL_AFTER_BUDGET)
         for child in self.children:
             if child.pid is not None:
                 log.error("child %d still running %.0f s after SIGTERM: killing it", child.index,
-                          self.config.engine.grace_period + _KILL_AFTER_GRACE)
+                          self.config.engine.stop_budget + _KILL_AFTER_BUDGET)
                 child.signal(signal.SIGKILL)
 
     async def run(self) -> int:
