@@ -9,6 +9,8 @@ again: a DLQ duplicate.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from bridge.changelog import calls
 from bridge.model import Status
 from localkafka import BrokerError, LocalBroker
 from localkafka.broker import free_port
@@ -93,17 +96,18 @@ class _Wedged:
 
 
 async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is_replaced(
-        kafka: Any, tmp_path: Path) -> None:
-    config = kafka_config(kafka.bootstrap_servers, tmp_path, "wedged",
-                          {"q": {"handler": "permanent", "sources": ["in-wedged"], "dlq_topic": "in-wedged.dlq"}},
+        kafka: Any, tmp_path: Path, unique: str) -> None:
+    topic = f"in-wedged-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
+                          {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
                           kafka={"topic_partitions": 1})
     async with running_bridge(config) as bridge:
         assert bridge.changelog is not None
         writer = bridge.changelog.writer
-        await wait_until(lambda: bridge.consumer.owns("in-wedged", 0), within=60, what="the partition owned")
+        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
         await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
         wedged = writer._producer = _Wedged(writer._producer)  # type: ignore[assignment]
-        produce(config, "in-wedged", [(b"k", b"{}", [])])
+        produce(config, topic, [(b"k", b"{}", [])])
         await wait_until(lambda: wedged.failed >= 1, within=60, what="a round failing")
 
         async def dead() -> list[Any]:
@@ -113,8 +117,8 @@ async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is
         [task] = await dead()
         await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by a new producer")
         assert writer._producer is not wedged and wedged.failed >= 5
-    records = await aread_dlq(kafka.bootstrap_servers, "in-wedged.dlq", settle=3.0)
-    assert [r.source for r in records] == ["kafka://in-wedged/0/0"]
+    records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
+    assert [r.source for r in records] == [f"kafka://{topic}/0/0"]
 
 
 class _AbortInProgress(_Wedged):
@@ -132,17 +136,18 @@ class _AbortInProgress(_Wedged):
 
 
 async def test_an_abort_that_conflicts_with_one_still_running_gets_a_new_producer_at_once(
-        kafka: Any, tmp_path: Path) -> None:
-    config = kafka_config(kafka.bootstrap_servers, tmp_path, "conflict",
-                          {"q": {"handler": "permanent", "sources": ["in-conflict"], "dlq_topic": "in-conflict.dlq"}},
+        kafka: Any, tmp_path: Path, unique: str) -> None:
+    topic = f"in-conflict-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
+                          {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
                           kafka={"topic_partitions": 1})
     async with running_bridge(config) as bridge:
         assert bridge.changelog is not None
         writer = bridge.changelog.writer
-        await wait_until(lambda: bridge.consumer.owns("in-conflict", 0), within=60, what="the partition owned")
+        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
         await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
         stuck = writer._producer = _AbortInProgress(writer._producer)  # type: ignore[assignment]
-        produce(config, "in-conflict", [(b"k", b"{}", [])])
+        produce(config, topic, [(b"k", b"{}", [])])
         await wait_until(lambda: writer._producer is not stuck, within=120, what="a new changelog producer")
         assert stuck.conflicts == 1  # not five rounds of 30 s each
 
@@ -152,5 +157,53 @@ async def test_an_abort_that_conflicts_with_one_still_running_gets_a_new_produce
         await wait_until(dead, within=60, what="the record dead")
         [task] = await dead()
         await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by the new producer")
-    records = await aread_dlq(kafka.bootstrap_servers, "in-conflict.dlq", settle=3.0)
-    assert [r.source for r in records] == ["kafka://in-conflict/0/0"]
+    records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
+    assert [r.source for r in records] == [f"kafka://{topic}/0/0"]
+
+
+class _NeverReturns(_Wedged):
+    """`send_offsets_to_transaction` blocked past its timeout, as librdkafka 2.16 does after the coordinator went
+    away and came back (confluentinc/librdkafka#5456; CI's broker-restart fault row hung on it): until released."""
+
+    def __init__(self, producer: Any) -> None:
+        super().__init__(producer)
+        self.release = threading.Event()
+        self.returned = threading.Event()
+
+    def send_offsets_to_transaction(self, *args: Any) -> None:
+        self.failed += 1
+        self.release.wait(300)
+        self.returned.set()
+
+    def commit_transaction(self, *args: Any) -> None:  # the abandoned transaction must never commit
+        raise AssertionError("an abandoned changelog transaction was committed")
+
+
+async def test_a_producer_call_that_never_returns_is_abandoned_and_a_new_producer_writes(
+        kafka: Any, tmp_path: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(calls, "WEDGED_AFTER", 2.0)  # the deadline: the call's own 10 s timeout + 2 s
+    topic = f"in-{unique}"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
+                          {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
+                          kafka={"topic_partitions": 1})
+    async with running_bridge(config) as bridge:
+        assert bridge.changelog is not None
+        writer = bridge.changelog.writer
+        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
+        await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
+        hung = writer._producer = _NeverReturns(writer._producer)  # type: ignore[assignment]
+        produce(config, topic, [(b"k", b"{}", [])])
+        await wait_until(lambda: hung.failed >= 1, within=60, what="a round's send blocked")
+
+        async def dead() -> list[Any]:
+            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
+
+        await wait_until(dead, within=60, what="the record dead")
+        [task] = await dead()
+        await wait_until(lambda: _published(bridge, task.id), within=90, what="the DLQ publish, by a new producer")
+        assert writer._producer is not hung and writer._calls.abandoned == 1 and hung.failed == 1
+        hung.release.set()  # the abandoned call returns at last: its transaction must not commit
+        await asyncio.to_thread(hung.returned.wait, 10)
+        await asyncio.sleep(1)
+    records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
+    assert [r.source for r in records] == [f"kafka://{topic}/0/0"]

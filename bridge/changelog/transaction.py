@@ -17,8 +17,8 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from bridge.changelog.local import Entry, Home
 
 log = logging.getLogger(__name__)
-_TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
-_COMMIT_PATIENCE = 300.0  # a commit resumed this long unacknowledged: the producer is replaced
+CALL_TIMEOUT = 10.0  # a transaction's offsets and commit calls (librdkafka retries within it)
+COMMIT_PATIENCE = 300.0  # a commit resumed this long unacknowledged: the producer is replaced
 _COLLATERAL = {KafkaError._MSG_TIMED_OUT, KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT}
 Delivered = Callable[[Any, "DeliveredRecord | None"], None]
 
@@ -85,8 +85,11 @@ class Fenced:
                 raise KafkaException(KafkaError(KafkaError._FAIL, f"{len(failed)} DLQ records were refused: "
                                                                    f"{failed[0].error}"))
 
-    def send_and_commit(self, producer: Producer, work: Round, unfenced: bool = False) -> None:
-        """`unfenced`: the one-time push of a store from before the changelog (new task ids, no offsets)."""
+    def send(self, producer: Producer, work: Round, unfenced: bool = False) -> None:
+        """The round's changelog records and source offsets into the open transaction; the commit is the caller's
+        next call (apart: a send that never returns is abandoned with its producer, and its transaction then
+        never commits). `unfenced`: the one-time push of a store from before the changelog (new task ids, no
+        offsets)."""
         metadata = None if unfenced else self._group_metadata()
         writable = self._writable() if self._writable is not None else None
         homed = [e for e in [*work.dlq_entries, *work.entries] if e.home[0] in self.topics]
@@ -102,15 +105,12 @@ class Fenced:
         for entry in homed:  # a task whose topic has no changelog here stays in its file only
             producer.produce(self.topics[entry.home[0]], key=entry.task_id.encode(), value=entry.value,
                                    partition=entry.home[1])
-        began = time.monotonic()
         if work.offsets and metadata is not None:
             offsets = [TopicPartition(t, p, o) for (t, p), o in work.offsets.items()]
-            producer.send_offsets_to_transaction(offsets, metadata, _TIMEOUT)
-        sent = time.monotonic()
-        commit(producer)
-        if time.monotonic() - began > 1.0:
-            log.warning("slow changelog transaction: offsets %.2fs, commit %.2fs", sent - began,
-                        time.monotonic() - sent)
+            # librdkafka may not return from this past its timeout (confluentinc/librdkafka#5456, open in 2.16:
+            # a coordinator request's timeout is never checked; seen after a broker restart): the writer's
+            # watchdog abandons the call (bridge/changelog/writer.py).
+            producer.send_offsets_to_transaction(offsets, metadata, CALL_TIMEOUT)
 
 
 def _dlq_report(item: DlqItem, err: Any, msg: Any) -> None:
@@ -127,19 +127,19 @@ def commit(producer: Producer) -> None:
     background, and calling `commit_transaction` again resumes it; it is never aborted — the broker may have
     committed it, and its DLQ records would be dead-lettered again (and librdkafka refuses the abort anyway:
     "conflicting commit_transaction API call", every round, for ever). Only an error that requires abort is
-    aborted (by the caller); past `_COMMIT_PATIENCE` the producer is replaced, whose `init_transactions`
+    aborted (by the caller); past `COMMIT_PATIENCE` the producer is replaced, whose `init_transactions`
     waits for the old transaction's end."""
     began = time.monotonic()
     while True:
         try:
-            producer.commit_transaction(_TIMEOUT)
+            producer.commit_transaction(CALL_TIMEOUT)
             return
         except KafkaException as e:
             error = e.args[0] if e.args else None
             if not isinstance(error, KafkaError) or not error.retriable() or error.txn_requires_abort():
                 raise
             waited = time.monotonic() - began
-            if waited > _COMMIT_PATIENCE:
+            if waited > COMMIT_PATIENCE:
                 # Fatal for this producer: replaced, its transaction's outcome is the broker's.
                 raise KafkaException(KafkaError(KafkaError._FATAL, f"a commit unacknowledged for {waited:.0f} s: "
                                                                    f"{error}", fatal=True)) from e

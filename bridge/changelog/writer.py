@@ -24,9 +24,20 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from bridge.aio import Backoff, OneThread
+from bridge.aio import Backoff
+from bridge.changelog.calls import ProducerCalls
 from bridge.changelog.local import Entry, Home, LocalIndex
-from bridge.changelog.transaction import Delivered, DeliveredRecord, DlqItem, Fenced, Round
+from bridge.changelog.transaction import (
+    CALL_TIMEOUT,
+    COMMIT_PATIENCE,
+    Delivered,
+    DeliveredRecord,
+    DlqItem,
+    Fenced,
+    Round,
+    commit,
+)
+from bridge.changelog.waiters import LoggedWaiters, RoundWaiters
 from bridge.clock import Clock
 from bridge.store.database import StoreError
 from bridge.telemetry.core import Telemetry
@@ -38,33 +49,6 @@ _ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: t
 _DLQ_BATCH = 500
 _FENCED = {KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_INSTANCE_ID,
            KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.REBALANCE_IN_PROGRESS}
-class RoundWaiters:
-    """Who waits for the writer's count of successful rounds to reach a number (a claim waits for two)."""
-
-    def __init__(self, kick: asyncio.Event) -> None:
-        self._kick = kick  # set: the writer's next round starts now, not after the commit interval
-        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
-
-    async def reach(self, target: int, rounds: int) -> None:
-        if rounds >= target:
-            return
-        reached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((target, reached))
-        self._kick.set()
-        try:
-            await reached
-        finally:
-            self._waiting = [(t, f) for t, f in self._waiting if f is not reached]
-
-    def ended(self, rounds: int) -> None:
-        """A round succeeded: wake who waited for this count; another round at once if someone still waits."""
-        for target, reached in self._waiting:
-            if rounds >= target and not reached.done():
-                reached.set_result(None)
-        if any(not f.done() for _, f in self._waiting):
-            self._kick.set()
-
-
 class ChangelogWriter:
     def __init__(self, local: LocalIndex, topics: dict[str, str], producer_factory: Callable[[], Producer],
                  offsets: Callable[[], dict[Home, int]], group_metadata: Callable[[], Any | None], clock: Clock,
@@ -79,10 +63,10 @@ class ChangelogWriter:
         self._offsets = offsets
         self._fence = Fenced(topics, group_metadata, writable)
         self._producer: Producer | None = None
-        self._thread = OneThread("rdq-changelog")
+        self._calls = ProducerCalls("rdq-changelog")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dlq: list[DlqItem] = []
-        self._waiters: dict[str, list[Callable[[], None]]] = {}
+        self._waiters = LoggedWaiters(local)
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -90,6 +74,7 @@ class ChangelogWriter:
         self._round_waiters = RoundWaiters(self._kick)
         self._abort_failures = 0  # aborts failed in a row
         self._round_failures = 0  # rounds failed in a row, fenced ones not counted
+        self._stop = asyncio.Event()  # the bridge's, once running: a producer replaced during a stop gives up
         self.healthy = True
         self.stats = {"transactions": 0, "aborted": 0, "records": 0, "fenced": 0}
         # Where the rounds' time goes (one round at a time: these add up to the writer's busy time).
@@ -99,7 +84,7 @@ class ChangelogWriter:
 
     def when_logged(self, task_id: str, callback: Callable[[], None]) -> None:
         """Call `callback` (on the loop) once the task's stored state is in the changelog (or it is gone)."""
-        self._waiters.setdefault(task_id, []).append(callback)
+        self._waiters.add(task_id, callback)
 
     async def logged(self, task_id: str, within: float) -> bool:
         """Wait until the task's stored state is in the changelog and the source offsets of that moment are
@@ -147,12 +132,14 @@ class ChangelogWriter:
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, within: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """`within`: the timeout `fn` was given; past it (and a margin) the call is abandoned (calls.py)."""
         assert self._loop is not None
-        return await self._thread.call(fn, *args)
+        return await self._calls.call(within, fn, *args)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
+        self._stop = stop
         await self._start_producer(stop)
         # Returns on stop; the producer and its thread stay for the consumer's last hand-over (close() after).
         while not stop.is_set():
@@ -167,18 +154,23 @@ class ChangelogWriter:
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._one_round()
-        self._thread.shutdown(wait=False)
+        self._calls.shutdown()
 
     async def _start_producer(self, stop: asyncio.Event) -> None:
+        """Until a producer's transactions start; once stopping, one try (the last hand-over may need it)."""
         backoff = Backoff(0.5, 5.0)
-        while not stop.is_set():
+        while True:
             try:
                 producer = self._producer_factory()
-                await self._call(producer.init_transactions, 30.0)
+                await self._call(30.0, producer.init_transactions, 30.0)
                 self._producer = producer
                 await self._push_premigration()
                 return
             except KafkaException as e:
+                if stop.is_set():
+                    log.warning("changelog producer cannot start its transactions; the bridge is stopping, so "
+                                "what is not logged stays in the store for the next start: %s", e)
+                    return
                 log.warning("changelog producer cannot start its transactions yet (retrying): %s", e)
                 await backoff.sleep()
 
@@ -190,8 +182,9 @@ class ChangelogWriter:
         while entries := await self.local.premigration(_BATCH):
             work = Round(entries=entries)
             try:
-                await self._call(self._fence.begin_and_send_dlq, self._producer, [])
-                await self._call(self._fence.send_and_commit, self._producer, work, True)
+                await self._call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, [])
+                await self._call(CALL_TIMEOUT, self._fence.send, self._producer, work, True)
+                await self._call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
             except KafkaException as e:
                 await self._abort_or_restart(e.args[0] if e.args else e)
                 log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
@@ -204,6 +197,8 @@ class ChangelogWriter:
 
     async def _one_round(self) -> bool:
         async with self._round_lock:
+            if self._producer is None:  # replaced during a stop, and the stop came first: nothing can be written
+                return False
             try:
                 ok = await self._round()
                 self._rounds += ok  # a round that succeeded: its offsets, read at its start, are committed
@@ -224,7 +219,7 @@ class ChangelogWriter:
         self.seconds["outbox"] += time.monotonic() - began
         self.telemetry.metrics.changelog_unlogged.set(len(entries))
         if not dlq and not entries and offsets == self._last_offsets:
-            await self._resolve_waiters(set())
+            await self._waiters.resolve(set())
             return True
         work = Round(dlq, entries, offsets=offsets)
         ok = await self._transaction(work)
@@ -236,7 +231,7 @@ class ChangelogWriter:
         assert self._producer is not None
         began = time.monotonic()
         try:
-            await self._call(self._fence.begin_and_send_dlq, self._producer, work.dlq)
+            await self._call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, work.dlq)
             for item in work.dlq:
                 if item.delivered is not None and item.home is not None and item.home[0] in self.topics:
                     entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
@@ -247,7 +242,13 @@ class ChangelogWriter:
                         raise KafkaException(KafkaError(KafkaError._FENCED, f"task {item.task_id} is no longer "
                                                                             "here: its partition moved"))
                     work.dlq_entries.append(entry)
-            await self._call(self._fence.send_and_commit, self._producer, work)
+            sent = time.monotonic()
+            await self._call(CALL_TIMEOUT, self._fence.send, self._producer, work)
+            committing = time.monotonic()
+            await self._call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
+            if time.monotonic() - sent > 1.0:
+                log.warning("slow changelog transaction: records and offsets %.2fs, commit %.2fs",
+                            committing - sent, time.monotonic() - committing)
         except KafkaException as e:
             refused = [i for i in work.dlq if i.error is not None and not i.collateral]
             if refused:
@@ -280,7 +281,7 @@ class ChangelogWriter:
             assert item.delivered is not None
             item.on_delivery(None, DeliveredRecord(item.topic, *item.delivered))
         began = time.monotonic()
-        await self._resolve_waiters({e.task_id for e in work.entries})
+        await self._waiters.resolve({e.task_id for e in work.entries})
         self.seconds["waiters"] += time.monotonic() - began
 
     async def _mark(self, entries: list[Entry]) -> None:
@@ -317,7 +318,7 @@ class ChangelogWriter:
         fatal = isinstance(error, KafkaError) and error.fatal()
         if not fatal:
             try:
-                await self._call(self._producer.abort_transaction, 30.0)
+                await self._call(30.0, self._producer.abort_transaction, 30.0)
                 self._abort_failures = 0
                 if self._round_failures < _ROUND_TRIES:
                     return
@@ -327,7 +328,7 @@ class ChangelogWriter:
                 log.warning("%d changelog rounds failed in a row; starting a new producer", self._round_failures)
                 self._round_failures = 0
                 self._producer = None
-                await self._start_producer(asyncio.Event())
+                await self._start_producer(self._stop)
                 return
             except KafkaException as e:
                 failure = e.args[0]
@@ -343,17 +344,5 @@ class ChangelogWriter:
         log.warning("changelog producer hit a fatal error; starting a new one: %s", error)
         self._producer = None
         self._abort_failures = 0
-        stop = asyncio.Event()
-        await self._start_producer(stop)
-
-    async def _resolve_waiters(self, logged: set[str]) -> None:
-        if not self._waiters:
-            return
-        done = [i for i in self._waiters if i in logged]
-        rest = [i for i in self._waiters if i not in logged]
-        if rest:
-            still = await self.local.unlogged(rest)
-            done += [i for i in rest if i not in still]
-        for task_id in done:
-            for callback in self._waiters.pop(task_id, []):
-                callback()
+        # Not a fresh event: with the broker gone during a stop, that retry loop kept the stop from ever ending.
+        await self._start_producer(self._stop)
