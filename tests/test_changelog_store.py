@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from bridge.changelog.codec import SCHEMA, Unreadable, decode
@@ -59,8 +62,8 @@ async def test_every_transition_is_in_the_outbox_but_a_heartbeat_is_not(tmp_path
 
 
 async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path) -> None:
-    """The outbox reads its rows as plain dicts (faster than sqlite3.Row by name): the records must be the same
-    bytes as the one-task path (a DLQ snapshot, the premigration) makes from `sqlite3.Row`s."""
+    """The outbox's records (built by SQLite) must be the ones the one-task path (a DLQ snapshot, the
+    premigration) encodes from `sqlite3.Row`s: the same JSON (the bytes differ in field order only)."""
     from bridge.store.queries import q
 
     store, local = await scoped_store(tmp_path)
@@ -72,7 +75,8 @@ async def test_the_outbox_encodes_a_task_as_one_read_by_name_does(tmp_path: Path
         await store.record_retry(task.id, claimed.lease_token, report(Outcome.RETRYABLE_FAILURE), T0 + 5)
         [entry] = await local.outbox(10)
         one = await store.db.read(lambda c: LocalIndex._entry(c, c.execute(q("get_task"), {"id": task.id}).fetchone()))
-        assert entry == one
+        assert (entry.task_id, entry.home, entry.version) == (one.task_id, one.home, one.version)
+        assert json.loads(entry.value or b"") == json.loads(one.value or b"")
         assert len(json.loads(entry.value or b"")["attempts"]) == 2
     finally:
         await store.close()
@@ -366,5 +370,106 @@ async def test_the_record_schema_says_what_its_reader_must_know(tmp_path: Path) 
         records = await _logged_records(store, local, plain, ordered)
         assert records[plain.id]["schema"] == "rdq.task/v1" and records[ordered.id]["schema"] == "rdq.task/v2"
         assert decode(ordered.id.encode(), json.dumps(records[ordered.id]).encode()).task["order_seq"] == 2
+    finally:
+        await store.close()
+
+
+def _random_text(rng: random.Random, n: int = 12) -> str:
+    alphabet = 'az09 "\\/\n\t\r\x00\x01\x1f\x7f<>&é中😀\u2028\ufeff'
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, n)))
+
+
+def _maybe(rng: random.Random, value: Any) -> Any:
+    return value if rng.random() < 0.6 else None
+
+
+def _random_row(rng: random.Random, i: int) -> dict[str, Any]:
+    status = rng.choice(["PENDING", "IN_FLIGHT", "SUCCEEDED", "DEAD", "PARKED"])
+    ordered = status == "PARKED" or rng.random() < 0.2
+    big = rng.choice([0, 1, 2**31, 2**53 + 1, 2**63 - 1, -5])
+    return {
+        "id": f"T{i:05d}{_random_text(rng, 4)}", "queue": _random_text(rng) or "q",
+        "handler_ref": "h" + _random_text(rng),
+        "handler_version": _maybe(rng, _random_text(rng)), "payload": rng.randbytes(rng.choice([0, 1, 2, 3, 57, 4000])),
+        "payload_content_type": _random_text(rng),
+        "headers": json.dumps({_random_text(rng, 6): _random_text(rng) for _ in range(rng.randint(0, 4))}),
+        "status": status, "attempt_count": rng.randint(0, 9), "redrive_count": rng.randint(0, 3),
+        "next_attempt_at": None if status in ("SUCCEEDED", "DEAD", "PARKED") else T0 + rng.randint(-9, 9),
+        "lease_expires_at": T0 if status == "IN_FLIGHT" else None, "lease_token": big,
+        "lease_owner": _maybe(rng, _random_text(rng)), "lease_started_at": _maybe(rng, T0),
+        "created_at": T0 - i, "life_started_at": T0, "finished_at": _maybe(rng, T0 + 1), "fetched_at": _maybe(rng, big),
+        "dead_reason_type": _maybe(rng, _random_text(rng)), "dead_reason_message": _maybe(rng, _random_text(rng, 40)),
+        "dlq_state": rng.choice([None, "PENDING", "PUBLISHED"]), "dlq_topic": _maybe(rng, _random_text(rng)),
+        "dlq_partition": _maybe(rng, rng.randint(0, 99)), "dlq_offset": _maybe(rng, big),
+        "home_topic": "src", "home_partition": 0, "version": rng.randint(1, 50), "logged_version": 0,
+        "order_key": f"src/0/{_random_text(rng, 5)}" if ordered else None, "order_seq": i if ordered else None,
+        "order_hold": rng.randint(0, 1),
+    }
+
+
+async def test_the_records_sqlite_builds_are_the_ones_the_codec_encodes(tmp_path: Path) -> None:
+    """The outbox's records are built by SQLite (queries.sql, changelog_outbox_records), the one-task path's by
+    codec.encode: on 600 random tasks (binary payloads, control and non-BMP characters, big integers, NULLs,
+    ordered ones, attempts with notes, redrives), the two parse to the same JSON and decode the same."""
+    from bridge.store.queries import q
+
+    rng = random.Random(20261202)
+    rows = [_random_row(rng, i) for i in range(600)]
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, HomeState.ACTIVE)
+
+        def insert(conn: Any) -> None:
+            for row in rows:
+                conn.execute(f"INSERT INTO tasks ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                             list(row.values()))
+                for seq in rng.sample(range(1, 30), rng.randint(0, 5)):  # out of order: the query orders them
+                    conn.execute("INSERT INTO attempts VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", (
+                        row["id"], seq, rng.randint(1, 5), rng.randint(0, 2), T0, T0 + 1,
+                        rng.choice(["SUCCESS", "RETRYABLE_FAILURE", "PERMANENT_FAILURE", "LEASE_EXPIRED"]),
+                        _maybe(rng, _random_text(rng)), _maybe(rng, _random_text(rng, 60)),
+                        _maybe(rng, _random_text(rng, 80)), _maybe(rng, _random_text(rng)),
+                        _maybe(rng, rng.randint(1, 5)), _maybe(rng, _random_text(rng))))
+                for no in rng.sample(range(1, 9), rng.randint(0, 2)):
+                    conn.execute("INSERT INTO redrives VALUES (?,?,?,?,?,?)", (
+                        row["id"], no, T0 + no, _maybe(rng, _random_text(rng)), _maybe(rng, _random_text(rng)),
+                        _maybe(rng, _random_text(rng))))
+
+        await store.db.write(insert)
+        built = {e.task_id: e for e in await local.outbox(1000)}
+        assert len(built) == len(rows)
+        for row in rows:
+            one = await store.db.read(
+                lambda c, i=row["id"]: LocalIndex._entry(c, c.execute(q("get_task"), {"id": i}).fetchone()))
+            entry = built[row["id"]]
+            assert (entry.home, entry.version) == (one.home, one.version)
+            assert orjson.loads(entry.value or b"") == orjson.loads(one.value or b""), row["id"]
+            assert decode(row["id"].encode(), entry.value or b"") == decode(row["id"].encode(), one.value or b"")
+    finally:
+        await store.close()
+
+
+async def test_a_mark_never_takes_a_logged_version_back_and_marks_only_what_it_names(tmp_path: Path) -> None:
+    """mark_logged is one statement for the whole round: a task named twice counts its higher version, an older
+    acknowledgement after a newer one changes nothing, a task not named stays in the outbox."""
+    from bridge.changelog.local import Entry
+
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, HomeState.ACTIVE)
+        tasks = [on("src", 0, i) for i in range(3)]
+        for task in tasks:
+            await store.submit(task)
+        for _ in range(2):
+            await store.claim_due("q", 1, 30, "w", T0)  # version 2
+        by_id = {e.task_id: e for e in await local.outbox(10)}
+        first, second = by_id[tasks[0].id], by_id[tasks[1].id]
+        assert first.version == second.version == 2
+        older = Entry(first.task_id, first.home, 1, first.value)
+        # Each task twice, the older first for one and last for the other: the higher counts either way.
+        await local.mark_logged([older, first, second, Entry(second.task_id, second.home, 1, second.value)])
+        assert {e.task_id for e in await local.outbox(10)} == {tasks[2].id}  # not named: still to log
+        await local.mark_logged([older])  # late and older: the logged version stays 2
+        assert {e.task_id for e in await local.outbox(10)} == {tasks[2].id}
     finally:
         await store.close()

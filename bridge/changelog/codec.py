@@ -62,6 +62,17 @@ def encode(task: sqlite3.Row | dict[str, Any], attempts: list[Any], redrives: li
     return orjson.dumps(record)
 
 
+_PAYLOAD_AT = b'"task":{"payload":"'  # how a record the store built begins its task (queries.sql)
+
+
+def with_payload(record: bytes, payload: bytes) -> bytes:
+    """A record SQLite built (`changelog_outbox_records`) with its payload, base64, spliced in: the store leaves it
+    "" as the first field of the task. Before it only the schema and version, no content of the task, so the
+    first match is the place."""
+    at = record.index(_PAYLOAD_AT) + len(_PAYLOAD_AT)
+    return b"".join((record[:at], base64.b64encode(payload), record[at:]))
+
+
 @dataclass(frozen=True)
 class Restored:
     """A decoded record, as the store's restore statements take it."""

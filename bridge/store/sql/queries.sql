@@ -302,7 +302,7 @@ SELECT * FROM attempts WHERE task_id = :id ORDER BY seq;
 SELECT * FROM redrives WHERE task_id = :id ORDER BY redrive_no;
 
 -- name: attempts_of_many
--- The attempts of several tasks at once (:ids is a JSON array), for the changelog outbox.
+-- The attempts of several tasks at once (:ids is a JSON array), for the DLQ outbox.
 SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
 
 -- name: attempts_json_of_many
@@ -321,9 +321,6 @@ SELECT task_id, json_object(
                     'type', error_type, 'message', COALESCE(error_message, ''), 'stack', error_stack) END,
          'worker', worker) AS body, late_result_of, note
   FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
-
--- name: redrives_of_many
-SELECT * FROM redrives WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, redrive_no;
 
 -- name: matching_tasks
 -- Tasks matching a filter (list, insights, the console's dead letters): the dead reason's type module-qualified or
@@ -465,15 +462,79 @@ VALUES (:task_id, :seq, :attempt_no, :redrive_no, :started_at, :finished_at, :ou
 
 -- ---- the changelog (SPEC §10) ----------------------------------------------------------------------------
 
--- name: changelog_outbox
--- Transitions the changelog has not acknowledged yet, of the homes this instance owns.
-SELECT * FROM tasks
- WHERE version > logged_version
-   AND EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition)
+-- name: changelog_outbox_records
+-- The outbox as changelog records (bridge/changelog/codec.py defines the format; tests/test_changelog_store.py
+-- holds the two equal on random tasks), built by SQLite: its steps run without the GIL, which the lanes need meanwhile.
+-- The payload is left "" to be spliced in base64 by the reader (SQLite 3.40 has no base64). Subquery results
+-- are wrapped in json() so they are embedded as JSON, not as strings. The attempts in seq order, the redrives
+-- in redrive_no order: an aggregate over an ordered subquery keeps its order.
+SELECT t.id, t.home_topic, t.home_partition, t.version, t.payload,
+       json_object(
+         'schema', CASE WHEN t.order_key IS NOT NULL THEN 'rdq.task/v2' ELSE 'rdq.task/v1' END,
+         'version', t.version,
+         'task', json_object('payload', '',
+           'id', t.id,
+           'queue', t.queue,
+           'handler_ref', t.handler_ref,
+           'handler_version', t.handler_version,
+           'payload_content_type', t.payload_content_type,
+           'status', t.status,
+           'attempt_count', t.attempt_count,
+           'redrive_count', t.redrive_count,
+           'next_attempt_at', t.next_attempt_at,
+           'lease_expires_at', t.lease_expires_at,
+           'lease_token', t.lease_token,
+           'lease_owner', t.lease_owner,
+           'lease_started_at', t.lease_started_at,
+           'created_at', t.created_at,
+           'life_started_at', t.life_started_at,
+           'finished_at', t.finished_at,
+           'fetched_at', t.fetched_at,
+           'dead_reason_type', t.dead_reason_type,
+           'dead_reason_message', t.dead_reason_message,
+           'dlq_state', t.dlq_state,
+           'dlq_topic', t.dlq_topic,
+           'dlq_partition', t.dlq_partition,
+           'dlq_offset', t.dlq_offset,
+           'home_topic', t.home_topic,
+           'home_partition', t.home_partition,
+           'order_key', t.order_key,
+           'order_seq', t.order_seq,
+           'order_hold', t.order_hold,
+           'headers', json(t.headers)),
+         'attempts', json((SELECT json_group_array(json_object(
+             'seq', a.seq,
+             'attempt_no', a.attempt_no,
+             'redrive_no', a.redrive_no,
+             'started_at', a.started_at,
+             'finished_at', a.finished_at,
+             'outcome', a.outcome,
+             'error_type', a.error_type,
+             'error_message', a.error_message,
+             'error_stack', a.error_stack,
+             'worker', a.worker,
+             'late_result_of', a.late_result_of,
+             'note', a.note))
+           FROM (SELECT * FROM attempts WHERE task_id = t.id ORDER BY seq) a)),
+         'redrives', json((SELECT json_group_array(json_object(
+             'redrive_no', r.redrive_no,
+             'at', r.at,
+             'by', r.by,
+             'request_id', r.request_id,
+             'key_id', r.key_id))
+           FROM (SELECT * FROM redrives WHERE task_id = t.id ORDER BY redrive_no) r))
+       ) AS record
+  FROM tasks t
+ WHERE t.version > t.logged_version
+   AND EXISTS (SELECT 1 FROM homes h WHERE h.topic = t.home_topic AND h.partition = t.home_partition)
  LIMIT :limit;
 
 -- name: changelog_logged
-UPDATE tasks SET logged_version = :version WHERE id = :id AND logged_version < :version;
+-- A round's records acknowledged (:marks is a JSON array of [task id, version]): one statement, not a step a
+-- task (each step gave the GIL up and back). A version never goes back; a task twice counts its higher one.
+UPDATE tasks SET logged_version = m.version
+  FROM (SELECT value ->> 0 AS id, max(value ->> 1) AS version FROM json_each(:marks) GROUP BY 1) AS m
+ WHERE tasks.id = m.id AND tasks.logged_version < m.version;
 
 -- name: changelog_unlogged_of
 -- Of several tasks (:ids is a JSON array), those with a transition the changelog has not acknowledged.
@@ -489,7 +550,8 @@ SELECT task_id, home_topic, home_partition FROM tombstones t
  LIMIT :limit;
 
 -- name: tombstone_done
-DELETE FROM tombstones WHERE task_id = :id;
+-- Tombstones in the changelog (:ids is a JSON array of task ids).
+DELETE FROM tombstones WHERE task_id IN (SELECT value FROM json_each(:ids));
 
 -- name: home_activate
 INSERT INTO homes (topic, partition, state) VALUES (:topic, :partition, 'active')
