@@ -188,7 +188,7 @@ class Bridge:
         if self.changelog is not None:
             parts.append(asyncio.create_task(self.changelog.writer.run(stop), name="rdq-changelog"))
         try:
-            await supervise(parts, stop)
+            await supervise(parts, stop, self.config.engine.stop_budget)
         finally:
             if self.changelog is not None:
                 await self.changelog.writer.close()

@@ -288,7 +288,8 @@ class BridgeProcess:
         self.proc.send_signal(signal.SIGQUIT)
         time.sleep(2)
         self.kill()
-        return f"the bridge did not stop within {timeout:.0f} s of SIGTERM; its stacks and last lines:\n{self.tail(400)}"
+        return (f"the bridge did not stop within {timeout:.0f} s of SIGTERM; its stacks and last lines:\n"
+                f"{self.tail(400)}")
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
