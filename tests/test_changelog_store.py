@@ -5,6 +5,7 @@ Real SQLite on disk; no broker (the Kafka side is in test_changelog_kafka.py).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import random
@@ -473,3 +474,33 @@ async def test_a_mark_never_takes_a_logged_version_back_and_marks_only_what_it_n
         assert {e.task_id for e in await local.outbox(10)} == {tasks[2].id}
     finally:
         await store.close()
+
+
+async def test_a_state_sent_is_held_from_the_outbox_until_a_read_sees_its_mark() -> None:
+    """The writer does not wait for its marks (bridge/changelog/holds.py): until a read begun after the mark
+    committed, the state sent — or an older one, a DEAD task's before its "published" record — is not read again;
+    a newer state is; a hold superseded by a newer send stays until that one's mark."""
+    from bridge.changelog.holds import Holds
+    from bridge.changelog.local import Entry
+
+    def entry(task: str, version: int) -> Entry:
+        return Entry(task, HOME, version, b"{}")
+
+    loop = asyncio.get_running_loop()
+    holds, first, second = Holds(), loop.create_future(), loop.create_future()
+    holds.sent([entry("t", 3)], first)
+    holds.before_read()
+    assert holds.unsent([entry("t", 3), entry("t", 2), entry("u", 1), entry("t", 4)]) == [entry("u", 1),
+                                                                                        entry("t", 4)]
+    first.set_result(None)
+    assert holds.unsent([entry("t", 3)]) == []  # committed, but this read may have begun before: still held
+    holds.before_read()
+    assert holds.unsent([entry("t", 3)]) == [entry("t", 3)]
+    holds.sent([entry("t", 3)], loop.create_future())
+    holds.sent([entry("t", 5)], second)
+    holds._marks[0][0].set_result(None)
+    holds.before_read()
+    assert holds.unsent([entry("t", 4)]) == []  # the send of 5 still waits for its mark
+    second.set_exception(RuntimeError("disk full"))  # a failed mark: sent again, the same state
+    await holds.settled()
+    assert holds.unsent([entry("t", 5)]) == [entry("t", 5)]

@@ -6,6 +6,7 @@ connection thread, never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -113,6 +114,11 @@ class LocalIndex:
         return [Entry(r[0], (r[1], r[2]), 0, None) for r in rows]
 
     async def mark_logged(self, entries: Iterable[Entry]) -> None:
+        await self.mark_logged_soon(entries)
+
+    def mark_logged_soon(self, entries: Iterable[Entry]) -> asyncio.Future[None]:
+        """The marks queued for the next group commit now (in order with every write queued after them); the
+        future is resolved when it committed."""
         entries = list(entries)
         marks = {"marks": orjson.dumps([[e.task_id, e.version] for e in entries if e.value is not None]).decode()}
         gone = {"ids": orjson.dumps([e.task_id for e in entries if e.value is None]).decode()}
@@ -121,7 +127,7 @@ class LocalIndex:
             conn.execute(q("changelog_logged"), marks)
             conn.execute(q("tombstone_done"), gone)
 
-        await self.store.db.write(apply)
+        return self.store.db.enqueue(apply)
 
     async def unlogged(self, ids: Iterable[str]) -> set[str]:
         """Of these tasks, those with a transition the changelog has not acknowledged."""

@@ -26,6 +26,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from bridge.aio import Backoff
 from bridge.changelog.calls import ProducerCalls
+from bridge.changelog.holds import Holds
 from bridge.changelog.local import Entry, Home, LocalIndex
 from bridge.changelog.transaction import (
     CALL_TIMEOUT,
@@ -67,6 +68,7 @@ class ChangelogWriter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dlq: list[DlqItem] = []
         self._waiters = LoggedWaiters(local)
+        self._holds = Holds()  # sent, their marks not committed yet: not read again meanwhile
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -126,6 +128,7 @@ class ChangelogWriter:
         for _ in range(3):
             if not await self._one_round():
                 return False
+            await self._holds.settled()
             if not await self.local.outbox(1) and self._offsets() == self._last_offsets:
                 return True
         return False
@@ -154,6 +157,8 @@ class ChangelogWriter:
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._one_round()
+        with contextlib.suppress(Exception):
+            await self._holds.settled()
         self._calls.shutdown()
 
     async def _start_producer(self, stop: asyncio.Event) -> None:
@@ -190,7 +195,7 @@ class ChangelogWriter:
                 log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
                           "next start): %s", e)
                 return
-            await self._mark(entries)
+            await _mark(self.local, entries)
             total += len(entries)
         if total:
             log.info("wrote %d tasks stored before the changelog existed to their changelog partitions", total)
@@ -214,8 +219,9 @@ class ChangelogWriter:
         offsets = self._offsets()
         dlq, self._dlq = self._dlq[:_DLQ_BATCH], self._dlq[_DLQ_BATCH:]
         began = time.monotonic()
+        self._holds.before_read()
         entries = await self.local.outbox(_BATCH, exclude=frozenset(i.task_id for i in dlq))
-        entries += await self.local.tombstones(_BATCH)
+        entries = self._holds.unsent(entries + await self.local.tombstones(_BATCH))
         self.seconds["outbox"] += time.monotonic() - began
         self.telemetry.metrics.changelog_unlogged.set(len(entries))
         if not dlq and not entries and offsets == self._last_offsets:
@@ -275,7 +281,9 @@ class ChangelogWriter:
         # The DLQ tasks' states before the published mark are covered by it (same record, one version later).
         before_publish = [Entry(e.task_id, e.home, e.version - 1, b"") for e in work.dlq_entries]
         began = time.monotonic()
-        await self._mark(work.entries + before_publish)
+        # Not waited for (the next round's read leaves out what is held), but queued before the DLQ callbacks'
+        # own writes: mark_dlq_published finds the state before the publish logged.
+        self._holds.sent([*work.entries, *work.dlq_entries], _mark_soon(self.local, work.entries + before_publish))
         self.seconds["mark"] += time.monotonic() - began
         for item in work.dlq:
             assert item.delivered is not None
@@ -283,18 +291,6 @@ class ChangelogWriter:
         began = time.monotonic()
         await self._waiters.resolve({e.task_id for e in work.entries})
         self.seconds["waiters"] += time.monotonic() - began
-
-    async def _mark(self, entries: list[Entry]) -> None:
-        backoff = Backoff(0.1, 5.0)
-        while True:
-            try:
-                await self.local.mark_logged(entries)
-                return
-            except StoreError as e:  # logged but not marked: written again next round (harmless, same state)
-                log.warning("cannot mark changelog records as logged yet (retrying): %s", e)
-                await backoff.sleep()
-                if backoff.delay >= 5.0:
-                    return
 
     async def _failed(self, work: Round, error: Any) -> None:
         self.healthy = False
@@ -346,3 +342,33 @@ class ChangelogWriter:
         self._abort_failures = 0
         # Not a fresh event: with the broker gone during a stop, that retry loop kept the stop from ever ending.
         await self._start_producer(self._stop)
+
+
+def _warn_if_failed(mark: asyncio.Future[None]) -> None:
+    if not mark.cancelled() and mark.exception() is not None:
+        log.warning("cannot mark changelog records as logged (sent again next round, the same state): %s",
+                    mark.exception())
+
+
+def _mark_soon(local: LocalIndex, entries: list[Entry]) -> asyncio.Future[None]:
+    try:
+        mark = local.mark_logged_soon(entries)
+    except StoreError as e:  # not marked: sent again next round (harmless, the same state)
+        log.warning("cannot mark changelog records as logged: %s", e)
+        mark = asyncio.get_running_loop().create_future()
+        mark.set_result(None)
+    mark.add_done_callback(_warn_if_failed)
+    return mark
+
+
+async def _mark(local: LocalIndex, entries: list[Entry]) -> None:
+    backoff = Backoff(0.1, 5.0)
+    while True:
+        try:
+            await local.mark_logged(entries)
+            return
+        except StoreError as e:  # logged but not marked: written again next round (harmless, same state)
+            log.warning("cannot mark changelog records as logged yet (retrying): %s", e)
+            await backoff.sleep()
+            if backoff.delay >= 5.0:
+                return
