@@ -10,8 +10,9 @@ again: a DLQ duplicate.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,13 @@ class _Wedged:
         return getattr(self._producer, name)
 
 
-async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is_replaced(
-        kafka: Any, tmp_path: Path, unique: str) -> None:
-    topic = f"in-wedged-{unique}"
+@contextlib.asynccontextmanager
+async def _faulty_changelog(kafka: Any, tmp_path: Path, unique: str, wrap: Callable[[Any], Any]
+                            ) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A bridge on a one-partition topic of its own whose changelog producer, once running, is `wrap`ped; then one
+    record (handler `permanent`: dead at once). Yields the bridge, its writer and the wrapped producer; after the
+    bridge stopped, the record must be in the DLQ once."""
+    topic = f"in-{unique}"
     config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
                           {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
                           kafka={"topic_partitions": 1})
@@ -106,19 +111,28 @@ async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is
         writer = bridge.changelog.writer
         await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
         await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
-        wedged = writer._producer = _Wedged(writer._producer)  # type: ignore[assignment]
+        faulty = writer._producer = wrap(writer._producer)
         produce(config, topic, [(b"k", b"{}", [])])
-        await wait_until(lambda: wedged.failed >= 1, within=60, what="a round failing")
-
-        async def dead() -> list[Any]:
-            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
-
-        await wait_until(dead, within=60, what="the record dead")
-        [task] = await dead()
-        await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by a new producer")
-        assert writer._producer is not wedged and wedged.failed >= 5
+        yield bridge, writer, faulty
     records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
     assert [r.source for r in records] == [f"kafka://{topic}/0/0"]
+
+
+async def _published_by_a_new_producer(bridge: Any, within: float) -> None:
+    async def dead() -> list[Any]:
+        return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
+
+    await wait_until(dead, within=60, what="the record dead")
+    [task] = await dead()
+    await wait_until(lambda: _published(bridge, task.id), within=within, what="the DLQ publish, by a new producer")
+
+
+async def test_a_producer_whose_rounds_fail_for_ever_while_its_aborts_succeed_is_replaced(
+        kafka: Any, tmp_path: Path, unique: str) -> None:
+    async with _faulty_changelog(kafka, tmp_path, unique, _Wedged) as (bridge, writer, wedged):
+        await wait_until(lambda: wedged.failed >= 1, within=60, what="a round failing")
+        await _published_by_a_new_producer(bridge, 120)
+        assert writer._producer is not wedged and wedged.failed >= 5
 
 
 class _AbortInProgress(_Wedged):
@@ -137,28 +151,10 @@ class _AbortInProgress(_Wedged):
 
 async def test_an_abort_that_conflicts_with_one_still_running_gets_a_new_producer_at_once(
         kafka: Any, tmp_path: Path, unique: str) -> None:
-    topic = f"in-conflict-{unique}"
-    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
-                          {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
-                          kafka={"topic_partitions": 1})
-    async with running_bridge(config) as bridge:
-        assert bridge.changelog is not None
-        writer = bridge.changelog.writer
-        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
-        await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
-        stuck = writer._producer = _AbortInProgress(writer._producer)  # type: ignore[assignment]
-        produce(config, topic, [(b"k", b"{}", [])])
+    async with _faulty_changelog(kafka, tmp_path, unique, _AbortInProgress) as (bridge, writer, stuck):
         await wait_until(lambda: writer._producer is not stuck, within=120, what="a new changelog producer")
         assert stuck.conflicts == 1  # not five rounds of 30 s each
-
-        async def dead() -> list[Any]:
-            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
-
-        await wait_until(dead, within=60, what="the record dead")
-        [task] = await dead()
-        await wait_until(lambda: _published(bridge, task.id), within=120, what="the DLQ publish, by the new producer")
-    records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
-    assert [r.source for r in records] == [f"kafka://{topic}/0/0"]
+        await _published_by_a_new_producer(bridge, 120)
 
 
 class _NeverReturns(_Wedged):
@@ -182,28 +178,10 @@ class _NeverReturns(_Wedged):
 async def test_a_producer_call_that_never_returns_is_abandoned_and_a_new_producer_writes(
         kafka: Any, tmp_path: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(calls, "WEDGED_AFTER", 2.0)  # the deadline: the call's own 10 s timeout + 2 s
-    topic = f"in-{unique}"
-    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique,
-                          {"q": {"handler": "permanent", "sources": [topic], "dlq_topic": f"{topic}.dlq"}},
-                          kafka={"topic_partitions": 1})
-    async with running_bridge(config) as bridge:
-        assert bridge.changelog is not None
-        writer = bridge.changelog.writer
-        await wait_until(lambda: bridge.consumer.owns(topic, 0), within=60, what="the partition owned")
-        await wait_until(lambda: writer._producer is not None, within=30, what="the changelog producer")
-        hung = writer._producer = _NeverReturns(writer._producer)  # type: ignore[assignment]
-        produce(config, topic, [(b"k", b"{}", [])])
+    async with _faulty_changelog(kafka, tmp_path, unique, _NeverReturns) as (bridge, writer, hung):
         await wait_until(lambda: hung.failed >= 1, within=60, what="a round's send blocked")
-
-        async def dead() -> list[Any]:
-            return await bridge.store.list_tasks("q", Status.DEAD)  # type: ignore[no-any-return]
-
-        await wait_until(dead, within=60, what="the record dead")
-        [task] = await dead()
-        await wait_until(lambda: _published(bridge, task.id), within=90, what="the DLQ publish, by a new producer")
+        await _published_by_a_new_producer(bridge, 90)
         assert writer._producer is not hung and writer._calls.abandoned == 1 and hung.failed == 1
         hung.release.set()  # the abandoned call returns at last: its transaction must not commit
         await asyncio.to_thread(hung.returned.wait, 10)
         await asyncio.sleep(1)
-    records = await aread_dlq(kafka.bootstrap_servers, f"{topic}.dlq", settle=3.0)
-    assert [r.source for r in records] == [f"kafka://{topic}/0/0"]
