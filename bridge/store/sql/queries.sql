@@ -608,23 +608,32 @@ SELECT id FROM tasks WHERE source_ref IN (:refs);
 -- name: delete_task
 DELETE FROM tasks WHERE id = :id;
 
--- name: restore_task
+-- name: restore_tasks
+-- A restore batch's tasks, many in one statement (:rows: that many VALUES rows, in the column order of
+-- LocalIndex's _TASK_ROW): SQLite steps once a chunk, not once a task, and binds by position, not by name. The
+-- changelog's state is logged as it stands (logged_version = version).
 INSERT OR REPLACE INTO tasks (
     id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
     redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
     life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
-    dlq_partition, dlq_offset, dlq_failures, source_ref, home_topic, home_partition, version, logged_version,
-    order_key, order_seq, order_hold)
-VALUES (
-    :id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, :status, :attempt_count,
-    :redrive_count, :next_attempt_at, :lease_expires_at, :lease_token, :lease_owner, :lease_started_at, :created_at,
-    :life_started_at, :finished_at, :fetched_at, :dead_reason_type, :dead_reason_message, :dlq_state, :dlq_topic,
-    :dlq_partition, :dlq_offset, 0, :source_ref, :home_topic, :home_partition, :version, :version,
-    :order_key, :order_seq, COALESCE(:order_hold, 0));
+    dlq_partition, dlq_offset, source_ref, home_topic, home_partition, order_key, order_seq, order_hold,
+    version, logged_version, dlq_failures)
+SELECT v.column1, v.column2, v.column3, v.column4, v.column5, v.column6, v.column7, v.column8, v.column9,
+       v.column10, v.column11, v.column12, v.column13, v.column14, v.column15, v.column16, v.column17, v.column18,
+       v.column19, v.column20, v.column21, v.column22, v.column23, v.column24, v.column25, v.column26, v.column27,
+       v.column28, v.column29, v.column30, COALESCE(v.column31, 0), v.column32, v.column32, 0
+  FROM (VALUES :rows) AS v;
 
--- name: restore_insert_redrive
+-- name: restore_attempts
+-- A restore batch's attempts, many in one statement (as restore_tasks; LocalIndex's _ATTEMPT_ROW).
+INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
+                      error_type, error_message, error_stack, worker, late_result_of, note)
+VALUES :rows;
+
+-- name: restore_redrives
+-- A restore batch's redrives, many in one statement (as restore_tasks; LocalIndex's _REDRIVE_ROW).
 INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
-VALUES (:task_id, :redrive_no, :at, :by, :request_id, :key_id);
+VALUES :rows;
 
 -- name: unreadable_add
 INSERT INTO changelog_unreadable (topic, partition, offset, key, value, error, seen_at)
@@ -638,7 +647,8 @@ INSERT OR REPLACE INTO changelog_quarantine (task_id, topic, partition, offset, 
 VALUES (:task_id, :topic, :partition, :offset, :error, :now);
 
 -- name: quarantine_end
-DELETE FROM changelog_quarantine WHERE task_id = :task_id;
+-- A restore batch's tasks (:ids, a JSON array) are no longer held: one statement for the batch.
+DELETE FROM changelog_quarantine WHERE task_id IN (SELECT value FROM json_each(:ids));
 
 -- name: quarantine_count
 SELECT topic, partition, COUNT(*) AS n FROM changelog_quarantine GROUP BY topic, partition;
