@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import sqlite3
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,12 +167,18 @@ class Picked:
     tombstones: int = 0
 
 
-def pick_last(records: list[tuple[int, bytes | None, bytes | None]]) -> Picked:
+def pick_last(records: list[tuple[int, bytes | None, bytes | None]], yield_every: int = 0) -> Picked:
     """Each task's last record of the batch, in log order (pure: no store). A later record holds a task's whole
-    state, so only the last counts."""
+    state, so only the last counts.
+
+    `yield_every`: give the GIL up every that many records. The restore decodes on its own thread while the store's
+    thread applies the batch before: that thread gives the GIL up in every SQLite step and, to take it back from a
+    thread that does not give it up, waits a switch interval (5 ms) each time; measured, it applied 3x slower."""
     picked = Picked({}, {}, {}, [])
     last, held = picked.last, picked.held
-    for offset, key, value in records:
+    for n, (offset, key, value) in enumerate(records, start=1):
+        if yield_every and n % yield_every == 0:
+            time.sleep(0)
         if value is None:
             task_id = (key or b"").decode("utf-8", "replace")
             last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
