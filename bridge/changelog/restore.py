@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from bridge.aio import OneThread
-from bridge.changelog.codec import Picked, pick_last
+from bridge.changelog.picking import Picked, pick_last
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
 from bridge.clock import Clock
 from bridge.store.database import StoreError

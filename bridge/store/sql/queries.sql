@@ -55,7 +55,8 @@ SELECT v.column1, 1, v.column2, v.column3, v.column4, v.column5, v.column6,
        v.column7, v.column8, v.column9, v.column10, v.column11, v.column12
   FROM (VALUES :rows) AS v
  WHERE EXISTS (SELECT 1 FROM tasks WHERE id = v.column1)
-   AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.task_id = v.column1);
+   AND NOT EXISTS (SELECT 1 FROM attempts WHERE attempts.task_id = v.column1)
+   AND NOT EXISTS (SELECT 1 FROM restored_attempts restored WHERE restored.task_id = v.column1);
 
 -- name: insert_first_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
@@ -63,12 +64,12 @@ INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished
 SELECT :task_id, 1, :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
        :error_type, :error_message, :error_stack, :worker, :late_result_of, :note
  WHERE EXISTS (SELECT 1 FROM tasks WHERE id = :task_id)
-   AND NOT EXISTS (SELECT 1 FROM attempts WHERE task_id = :task_id);
+   AND NOT EXISTS (SELECT 1 FROM attempt_history WHERE task_id = :task_id);
 
 -- name: insert_attempt
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
                       error_type, error_message, error_stack, worker, late_result_of, note)
-VALUES (:task_id, (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempts WHERE task_id = :task_id),
+VALUES (:task_id, (SELECT COALESCE(MAX(seq), 0) + 1 FROM attempt_history WHERE task_id = :task_id),
         :attempt_no, :redrive_no, :started_at, :finished_at, :outcome,
         :error_type, :error_message, :error_stack, :worker, :late_result_of, :note);
 
@@ -87,7 +88,10 @@ RETURNING *;
 
 -- name: lost_a_lease
 -- Of these claimed tasks, those whose history has a lapsed lease (a handler that may kill its process).
-SELECT DISTINCT task_id FROM attempts
+SELECT task_id FROM attempts
+ WHERE task_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'LEASE_EXPIRED'
+UNION
+SELECT task_id FROM restored_attempt_rows
  WHERE task_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'LEASE_EXPIRED';
 
 -- name: next_due_at
@@ -296,14 +300,17 @@ UPDATE tasks
 SELECT * FROM tasks WHERE id = :id;
 
 -- name: get_attempts
-SELECT * FROM attempts WHERE task_id = :id ORDER BY seq;
+SELECT * FROM attempt_history WHERE task_id = :id ORDER BY seq;
 
 -- name: get_redrives
 SELECT * FROM redrives WHERE task_id = :id ORDER BY redrive_no;
 
 -- name: attempts_of_many
 -- The attempts of several tasks at once (:ids is a JSON array), for the DLQ outbox.
-SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
+SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids))
+UNION ALL
+SELECT * FROM restored_attempt_rows WHERE task_id IN (SELECT value FROM json_each(:ids))
+ORDER BY task_id, seq;
 
 -- name: attempts_json_of_many
 -- The attempts of the DLQ outbox's tasks, each already the JSON object its envelope carries (SPEC §6: times
@@ -320,7 +327,10 @@ SELECT task_id, json_object(
          'error', CASE WHEN error_type IS NULL THEN NULL ELSE json_object(
                     'type', error_type, 'message', COALESCE(error_message, ''), 'stack', error_stack) END,
          'worker', worker) AS body, late_result_of, note
-  FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) ORDER BY task_id, seq;
+  FROM (SELECT * FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids))
+        UNION ALL
+        SELECT * FROM restored_attempt_rows WHERE task_id IN (SELECT value FROM json_each(:ids)))
+ ORDER BY task_id, seq;
 
 -- name: matching_tasks
 -- Tasks matching a filter (list, insights, the console's dead letters): the dead reason's type module-qualified or
@@ -341,7 +351,11 @@ SELECT * FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 
 -- name: outcomes_of_many
 -- Attempts by outcome of a set of tasks (:ids is a JSON array): the console's "attempts by outcome".
-SELECT outcome, COUNT(*) AS n FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids)) GROUP BY outcome;
+SELECT outcome, COUNT(*) AS n
+  FROM (SELECT outcome FROM attempts WHERE task_id IN (SELECT value FROM json_each(:ids))
+        UNION ALL
+        SELECT outcome FROM restored_attempt_rows WHERE task_id IN (SELECT value FROM json_each(:ids)))
+ GROUP BY outcome;
 
 -- name: dead_tasks_filtered
 SELECT id, redrive_count FROM tasks
@@ -515,7 +529,9 @@ SELECT t.id, t.home_topic, t.home_partition, t.version, t.payload,
              'worker', a.worker,
              'late_result_of', a.late_result_of,
              'note', a.note))
-           FROM (SELECT * FROM attempts WHERE task_id = t.id ORDER BY seq) a)),
+           FROM (SELECT * FROM attempts WHERE task_id = t.id
+                 UNION ALL
+                 SELECT * FROM restored_attempt_rows WHERE task_id = t.id ORDER BY seq) a)),
          'redrives', json((SELECT json_group_array(json_object(
              'redrive_no', r.redrive_no,
              'at', r.at,
@@ -624,8 +640,14 @@ SELECT v.column1, v.column2, v.column3, v.column4, v.column5, v.column6, v.colum
        v.column28, v.column29, v.column30, COALESCE(v.column31, 0), v.column32, v.column32, 0
   FROM (VALUES :rows) AS v;
 
+-- name: restore_history
+-- A restore batch's histories, each the changelog record's attempts array as one value (restored_attempts), many
+-- in one statement (as restore_tasks): one row a task instead of one an attempt.
+INSERT OR REPLACE INTO restored_attempts (task_id, attempts) VALUES :rows;
+
 -- name: restore_attempts
--- A restore batch's attempts, many in one statement (as restore_tasks; LocalIndex's _ATTEMPT_ROW).
+-- A restore batch's attempts as rows, where a history cannot be one value (codec.Restored.history; as
+-- restore_tasks; LocalIndex's _ATTEMPT_ROW).
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
                       error_type, error_message, error_stack, worker, late_result_of, note)
 VALUES :rows;
