@@ -566,11 +566,13 @@ async def test_a_partition_lost_and_assigned_again_at_once_is_restored_and_runs(
         assert counts == {"PENDING": 5}  # it succeeded: no task of its own
 
 
+@pytest.mark.parametrize("decoding", ["on the restore thread", "in a process"])
 async def test_a_restore_over_many_batches_applies_every_batch_before_its_partition_is_ready(
-        kafka: Any, tmp_path: Path) -> None:
+        kafka: Any, tmp_path: Path, decoding: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore fetches the next batch while the store applies this one: a partition is finished only by the
     reach of batches already applied. Its changelog's last records (a newer state of one task, a tombstone of
-    another) come in the last of three batches; a partition with a few records restores beside it."""
+    another) come in the last of three batches; a partition with a few records restores beside it. Decoded on the
+    restore thread, or in the decoding process (made to wait for it: it would decode here until it is up)."""
     from bench.bench_changelog import task_record
     from bridge.changelog.restore import Restorer
     from bridge.clock import SystemClock
@@ -599,8 +601,13 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
     try:
         local = LocalIndex(store)
         await local.set_changelogged([topic])
+        in_process = decoding == "in a process"
+        if in_process:
+            from bridge.changelog.decoder import Decoder
+            monkeypatch.setattr(Decoder, "_ready", lambda self: self._started.result(60) > 0)
         restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock(),
-                            lambda: make_restore_consumer(config, "t", committed_only=False))
+                            lambda: make_restore_consumer(config, "t", committed_only=False),
+                            process_from=0 if in_process else 10**9)
         reports: dict[int, Any] = {}
 
         async def restored(report: Any) -> None:
@@ -616,5 +623,6 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         seven = await store.get(task_record(7, topic, 1)[0].decode())
         assert seven is not None and seven.attempt_count == 3 and len(seven.attempts) == 3
         assert await store.get(task_record(5, topic, 1)[0].decode()) is None
+        assert (restorer.decoded_in_process >= 3) == in_process, restorer.decoded_in_process
     finally:
         await store.close()

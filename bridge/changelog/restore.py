@@ -23,8 +23,9 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from bridge.aio import OneThread
-from bridge.changelog.picking import Picked, pick_last
+from bridge.changelog.decoder import PROCESS_FROM, Decoder
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
+from bridge.changelog.picking import Picked, Record, pick_last
 from bridge.clock import Clock
 from bridge.store.database import StoreError
 
@@ -92,12 +93,14 @@ Restored = Callable[[RestoreReport], Awaitable[None]]
 
 @dataclass
 class _Fetched:
-    """What one fetch brought: each partition's batch, picked (and its record count), and how far it was read."""
+    """What one fetch brought: each partition's records, then picked (and their count), and how far it was read."""
 
+    records: dict[Changelog, list[Record]] = field(default_factory=dict)
     batches: dict[Changelog, tuple[Picked, int]] = field(default_factory=dict)
     reached: dict[Changelog, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # reading
+    decoding: float = 0.0
 
     def reach(self, key: Changelog, offset: int) -> None:
         self.reached[key] = max(self.reached.get(key, -1), offset)
@@ -105,7 +108,8 @@ class _Fetched:
 
 class Restorer:
     def __init__(self, local: LocalIndex, topics: dict[str, str], consumer_factory: Callable[[], Consumer],
-                 clock: Clock, end_factory: Callable[[], Consumer] | None = None) -> None:
+                 clock: Clock, end_factory: Callable[[], Consumer] | None = None,
+                 process_from: int = PROCESS_FROM) -> None:
         self.local = local
         self.topics = topics
         self.clock = clock
@@ -115,9 +119,11 @@ class Restorer:
         # transaction (a crashed owner's), and a restore that stopped there would miss it.
         self._end_factory = end_factory or consumer_factory
         self._thread = OneThread("rdq-restore")
-        # Where a restore's time goes: fetching and decoding (the restore thread), applying (the store), and the
-        # wait for a fetch the store did not hide (the pipeline's stall). The bench prints them.
-        self.seconds = {"fetch": 0.0, "apply": 0.0, "waited": 0.0}
+        self._process_from = process_from  # records to restore from which they are decoded in a process
+        self.decoded_in_process = 0  # batches of the last restore decoded in the process (the bench prints it)
+        # Where a restore's time goes: reading and decoding (the restore thread or the decoding process), applying
+        # (the store), and the wait for a read the store did not hide (the pipeline's stall). The bench prints them.
+        self.seconds = {"fetch": 0.0, "decode": 0.0, "apply": 0.0, "waited": 0.0}
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self._thread.call(fn, *args)
@@ -159,6 +165,9 @@ class Restorer:
             return failed
         for key, (low, high) in ends.items():
             parts[key].end, parts[key].empty = high, high <= low
+        decoder = Decoder(lambda records: self._call(pick_last, records, _YIELD_EVERY))
+        if sum(high - low for low, high in ends.values()) >= self._process_from:
+            decoder.start()
         consumer: Consumer = await self._call(self._consumer_factory)
         try:
             reading: dict[Changelog, _Restoring] = {}
@@ -170,12 +179,14 @@ class Restorer:
                     reading[key] = part
             if reading:
                 await self._call(consumer.assign, [TopicPartition(*key, OFFSET_BEGINNING) for key in reading])
-                await self._read_all(consumer, reading, wanted, restored, failed)
+                await self._read_all(consumer, decoder, reading, wanted, restored, failed)
         except (KafkaException, StoreError) as e:
             for part in parts.values():
                 if not part.done:
                     failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
         finally:
+            self.decoded_in_process = decoder.batches_in_process
+            decoder.close()
             await self._call(consumer.close)
         return failed
 
@@ -190,11 +201,11 @@ class Restorer:
         finally:
             probe.close()
 
-    async def _read_all(self, consumer: Consumer, reading: dict[Changelog, _Restoring],
+    async def _read_all(self, consumer: Consumer, decoder: Decoder, reading: dict[Changelog, _Restoring],
                         wanted: Callable[[Home], bool], restored: Restored, failed: dict[Home, Exception]) -> None:
         """Read every partition to its end; each one finished as soon as its end is reached. Pipelined: the next
-        batch is fetched and decoded on the restore thread while the store applies this one."""
-        fetching = asyncio.ensure_future(self._call(self._fetch, consumer, frozenset(reading)))
+        batch is read and decoded while the store applies this one."""
+        fetching = asyncio.ensure_future(self._read_decoded(consumer, decoder, frozenset(reading)))
         try:
             while reading:
                 for key, part in list(reading.items()):
@@ -208,7 +219,8 @@ class Restorer:
                 fetched = await fetching
                 self.seconds["waited"] += time.monotonic() - began
                 self.seconds["fetch"] += fetched.seconds
-                fetching = asyncio.ensure_future(self._call(self._fetch, consumer, frozenset(reading)))
+                self.seconds["decode"] += fetched.decoding
+                fetching = asyncio.ensure_future(self._read_decoded(consumer, decoder, frozenset(reading)))
                 await self._apply(fetched, reading, consumer, failed)
                 for key, part in list(reading.items()):
                     part.reached = max(part.reached, fetched.reached.get(key, -1))  # only once its batch is in
@@ -242,14 +254,23 @@ class Restorer:
                 log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s", why)
             errors.clear()
 
+    async def _read_decoded(self, consumer: Consumer, decoder: Decoder, keys: frozenset[Changelog]) -> _Fetched:
+        """The next batch of each partition, read, then reduced to its tasks' last records (decoded off the
+        store's thread: `Decoder`)."""
+        fetched: _Fetched = await self._call(self._fetch, consumer, keys)
+        began = time.monotonic()
+        for key, records in fetched.records.items():
+            fetched.batches[key] = (await decoder.pick(records), len(records))
+        fetched.decoding = time.monotonic() - began
+        return fetched
+
     @staticmethod
     def _fetch(consumer: Consumer, keys: frozenset[Changelog]) -> _Fetched:
-        """On the restore thread: a consumed batch per changelog partition, in log order, each reduced to its
-        tasks' last records (decoded here, not on the store's thread), and how far each partition was read: by
-        its records, end-of-partition events and the consumer's position, which steps over the commit markers
-        (a changelog whose last record is a marker is at its end once its position is)."""
+        """On the restore thread: a consumed batch per changelog partition, in log order, and how far each
+        partition was read: by its records, end-of-partition events and the consumer's position, which steps over
+        the commit markers (a changelog whose last record is a marker is at its end once its position is)."""
         fetched, began = _Fetched(), time.monotonic()
-        records: dict[Changelog, list[tuple[int, bytes | None, bytes | None]]] = {}
+        records = fetched.records
         for msg in consumer.consume(_BATCH, _POLL):
             key, offset = (msg.topic(), msg.partition()), msg.offset()
             if key not in keys or offset is None:
@@ -265,7 +286,6 @@ class Restorer:
         for tp in consumer.position([TopicPartition(*key) for key in keys]) if keys else []:
             if tp.error is None and tp.offset >= 0:
                 fetched.reach((tp.topic, tp.partition), tp.offset)
-        fetched.batches = {key: (pick_last(batch, _YIELD_EVERY), len(batch)) for key, batch in records.items()}
         fetched.seconds = time.monotonic() - began
         return fetched
 
