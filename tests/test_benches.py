@@ -30,6 +30,7 @@ ROWS = {
     "kafka-e2e": ["bench.bench_kafka", "e2e", "--n", "60", "--runs", "1"],
     "kafka-ordering": ["bench.bench_kafka", "ordering", "--n", "600", "--runs", "1"],
     "changelog-restore": ["bench.bench_changelog", "restore", "--n", "300"],
+    "changelog-restore-partitions": ["bench.bench_changelog", "restore", "--n", "300", "--partitions", "3"],
     "changelog-overhead": ["bench.bench_changelog", "overhead", "--n", "300"],
     "changelog-ready": ["bench.bench_changelog", "ready", "--n", "1"],
     "processes": ["bench.bench_processes", "all", "--n", "300", "--runs", "1"],
