@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +98,39 @@ def bare_read(bootstrap: str, changelog: str, n: int, partitions: int = 1) -> fl
     return n / elapsed
 
 
+def in_a_child(fn: Callable[..., Any], *args: Any) -> Any:
+    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+async def peak_rss() -> tuple[float, float]:
+    """Sampled until cancelled: the peak RSS of this process, and of its children (the decoding process)."""
+    own = children = 0.0
+    try:
+        while True:
+            own = max(own, rss_mib())
+            children = max(children, sum(rss_mib(pid) for pid in _children()))
+            await asyncio.sleep(0.2)
+    except asyncio.CancelledError:
+        return own, children
+
+
+def _children() -> list[str]:
+    """This process's children but multiprocessing's resource tracker (a spawn context starts one)."""
+    pids: list[str] = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += (task / "children").read_text().split()
+    return [pid for pid in pids if b"resource_tracker" not in _cmdline(pid)]
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b"resource_tracker"  # gone: not counted
+
+
 async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: int = 1) -> None:
     """`partitions` > 1: the tasks spread over that many partitions, all restored at once by one restorer (one
     consumer, one store), as a bridge assigned them all restores them."""
@@ -104,8 +141,9 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         topic = config.queues["q"].sources[0]
         ensure_topics(config)
         changelog = config.changelog_topic(topic)
-        size = fill_changelog(bootstrap, topic, changelog, n, attempts, partitions)
-        bare = bare_read(bootstrap, changelog, n, partitions)
+        # Filled and read by another process: a producer's buffers would stay in this one's RSS.
+        size = in_a_child(fill_changelog, bootstrap, topic, changelog, n, attempts, partitions)
+        bare = in_a_child(bare_read, bootstrap, changelog, n, partitions)
         store = await Store.open(config.store.path, scoped=True)
         local = LocalIndex(store)
         await local.set_changelogged([topic])
@@ -120,9 +158,12 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
             reports.append(report)
 
         reports: list[Any] = []
+        peak = asyncio.ensure_future(peak_rss())
         failed = await restorer.restore_many([(topic, p) for p in range(partitions)], lambda _: True, restored)
         spent, in_process = dict(restorer.seconds), restorer.decoded_in_process
         elapsed, rss = time.perf_counter() - began, rss_mib()
+        peak.cancel()
+        own, children = await peak
         tasks = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
         rows = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM attempt_history").fetchone()[0])
         await store.close()
@@ -137,7 +178,8 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         f"ratio {n / elapsed / bare:.2f}  (goal >= {20000 if partitions == 1 else 50000} tasks/s)",
         f"partition unavailable while restoring: {elapsed:.2f} s"
         + (f" (the last; the first ready after {min(ready.values()):.2f} s)" if partitions > 1 else ""),
-        f"RSS of the restoring process at the end: {rss:.1f} MiB",
+        f"RSS of the restoring process: peak {own:.1f} MiB, at the end {rss:.1f} MiB; "
+        f"the decoding process's peak {children:.1f} MiB",
         "where the restore's time went (pipelined: the next batch read and decoded while the store applies this "
         f"one): read {spent['fetch']:.2f} s, decode {spent['decode']:.2f} s "
         f"({f'{in_process} batches in a process of its own' if in_process else 'on the restore thread'}), store apply "

@@ -608,6 +608,8 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock(),
                             lambda: make_restore_consumer(config, "t", committed_only=False),
                             process_from=0 if in_process else 10**9)
+        trims: list[bool] = []
+        monkeypatch.setattr("bridge.changelog.restore.give_back_freed_memory", lambda: trims.append(True))
         reports: dict[int, Any] = {}
 
         async def restored(report: Any) -> None:
@@ -624,5 +626,6 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         assert seven is not None and seven.attempt_count == 3 and len(seven.attempts) == 3
         assert await store.get(task_record(5, topic, 1)[0].decode()) is None
         assert (restorer.decoded_in_process >= 3) == in_process, restorer.decoded_in_process
+        assert trims == [True]  # the batches' memory given back to the system once the restore ended
     finally:
         await store.close()

@@ -38,6 +38,14 @@ async def _started(decoder: Decoder) -> None:
     await asyncio.wrap_future(decoder._started)
 
 
+def test_freed_memory_can_be_given_back_here() -> None:
+    """The restore's batches, freed, are returned to the system (glibc's malloc_trim, found on this Linux); a
+    restore of 30,000 tasks left 215 MiB resident without it, 95 MiB with (bench_changelog restore)."""
+    from bridge.memory import give_back_freed_memory
+
+    assert give_back_freed_memory() is True
+
+
 async def test_the_process_decodes_a_batch_as_the_restore_thread_does() -> None:
     records = _batch()
     decoder = Decoder(_in_thread)

@@ -63,7 +63,7 @@ class Picked:
     records: list[Record] = field(default_factory=list)
     applied: int = 0
     tombstones: int = 0
-    seconds: float = 0.0  # spent decoding (in whichever thread or process did)
+    seconds: float = field(default=0.0, compare=False)  # spent decoding (in whichever thread or process did)
 
     def record_of(self, task_id: str) -> tuple[int, bytes | None, bytes]:
         offset, key, value = self.records[self.raw[task_id]]

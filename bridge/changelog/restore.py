@@ -27,6 +27,7 @@ from bridge.changelog.decoder import PROCESS_FROM, Decoder
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
 from bridge.changelog.picking import Picked, Record, pick_last
 from bridge.clock import Clock
+from bridge.memory import give_back_freed_memory
 from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class Restorer:
             self.decoded_in_process = decoder.batches_in_process
             decoder.close()
             await self._call(consumer.close)
+            await self._call(give_back_freed_memory)  # the batches' memory, kept by malloc otherwise
         return failed
 
     def _ends_of(self, partitions: list[Changelog]) -> dict[Changelog, tuple[int, int]]:
