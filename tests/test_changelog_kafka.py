@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from bridge.changelog.codec import SCHEMA
@@ -628,4 +628,47 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         assert (restorer.decoded_in_process >= 3) == in_process, restorer.decoded_in_process
         assert trims == [True]  # the batches' memory given back to the system once the restore ended
     finally:
+        await store.close()
+
+
+async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kafka: Any, tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A restore of many partitions through one consumer can leave one unfetched for a while (seen: 12 partitions
+    of a 1M-task restore, ten of them not fetched for over 10 s). That stall once passed for "only commit markers
+    are left", and the partition was finished with its unread tasks dropped as purged. Here its changelog holds
+    five records of one committed transaction (the marker after them): read to offset 2 and stalled, it has
+    records to read and says so; read to 5, only the marker is left and it is finished."""
+    import logging
+
+    from bench.bench_changelog import task_record
+    from bridge.changelog.restore import Restorer, _Restoring
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    changelog = config.changelog_topic(topic)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "transactional.id": f"t-{unique}"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(changelog, key=task_record(i, topic, 1)[0], value=task_record(i, topic, 1)[1], partition=0)
+    producer.commit_transaction(30)
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    consumer = make_restore_consumer(config, "t")
+    try:
+        restorer = Restorer(LocalIndex(store), {topic: changelog}, lambda: make_restore_consumer(config, "t"),
+                            SystemClock())
+        _, end = consumer.get_watermark_offsets(TopicPartition(changelog, 0), 10.0, False)
+        assert end == 6  # five records and the commit marker
+        stalled = _Restoring((topic, 0), changelog, end=end, reached=2, last_progress=time.monotonic() - 60)
+        with caplog.at_level(logging.WARNING, "bridge.changelog.restore"):
+            assert not await restorer._stalled_at_markers(consumer, stalled)
+        assert "at offset 2 of 6, its records not fetched" in caplog.text
+        at_its_last = _Restoring((topic, 0), changelog, end=end, reached=5, last_progress=time.monotonic() - 60)
+        assert await restorer._stalled_at_markers(consumer, at_its_last)
+    finally:
+        consumer.close()
         await store.close()

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _BATCH = 5000
 _POLL = 0.05  # a consume returns at 5,000 records or after this: a small partition waits no longer than it
 _STALL_WARN = 10.0
+_PROBE_WITHIN = 10.0  # seconds to read past a stalled partition's markers before it is asked again
 _YIELD_EVERY = 10  # records decoded between two GIL releases (pick_last); of 1, 10 and 100 tried, 10 was best
 Changelog = tuple[str, int]  # a changelog partition: (topic, partition)
 
@@ -292,18 +293,44 @@ class Restorer:
         return fetched
 
     async def _stalled_at_markers(self, consumer: Consumer, part: _Restoring) -> bool:
-        """Nothing came for a while: finished if only markers were left before the end; else say what it waits
-        for (an open transaction of the previous owner holds the end until the broker aborts it)."""
+        """Nothing came for a while: finished if only commit markers were left before the end; else say what it
+        waits for. Only markers left is asked of the changelog itself (`_nothing_left_to_read`): a partition the
+        restore consumer had not fetched for a while (it was reading the assignment's other partitions) once
+        passed for finished, and its unread tasks would have been dropped as purged."""
         if time.monotonic() - part.last_progress <= _STALL_WARN:
             return False
         tp = TopicPartition(*part.partition)
         _, stable = await self._call(consumer.get_watermark_offsets, tp, 10.0, False)
-        if stable >= part.end and part.reached >= 0:
-            return True
-        log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous owner holds "
-                    "it until the broker aborts it)", part.topic, part.home[1], part.reached, part.end)
         part.last_progress = time.monotonic()
+        if stable < part.end:
+            log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous owner "
+                        "holds it until the broker aborts it)", part.topic, part.home[1], part.reached, part.end)
+            return False
+        if await asyncio.to_thread(self._nothing_left_to_read, part):
+            return True
+        log.warning("restoring %s/%d: at offset %d of %d, its records not fetched for %.0f s (the restore consumer "
+                    "is reading the other partitions)", part.topic, part.home[1], part.reached, part.end, _STALL_WARN)
         return False
+
+    def _nothing_left_to_read(self, part: _Restoring) -> bool:
+        """By a consumer of its own, committed records only, from where the partition was reached: it comes to the
+        end with no record (commit markers only), or finds one still to restore (or cannot tell in time)."""
+        probe = self._consumer_factory()
+        try:
+            probe.assign([TopicPartition(*part.partition, part.reached if part.reached >= 0 else OFFSET_BEGINNING)])
+            deadline = time.monotonic() + _PROBE_WITHIN
+            while time.monotonic() < deadline:
+                msg = probe.poll(0.2)
+                if msg is None:
+                    continue
+                error = msg.error()
+                if error is None:
+                    return False
+                if error.code() == KafkaError._PARTITION_EOF:
+                    return (msg.offset() or 0) >= part.end
+            return False
+        finally:
+            probe.close()
 
     async def _leave(self, consumer: Consumer, reading: dict[Changelog, _Restoring], key: Changelog) -> None:
         """This partition is done (finished or given up): no more fetches of it while the others go on."""
