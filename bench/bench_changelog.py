@@ -148,7 +148,8 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         local = LocalIndex(store)
         await local.set_changelogged([topic])
         restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "bench"), _Clock(),
-                            lambda: make_restore_consumer(config, "bench", committed_only=False))
+                            lambda: make_restore_consumer(config, "bench", committed_only=False),
+                            probe_factory=lambda: make_restore_consumer(config, "bench", probe=True))
         began = time.perf_counter()
         ready: dict[int, float] = {}
 

@@ -87,15 +87,18 @@ def make_changelog_producer(config: BridgeConfig, batch_bytes: int) -> Producer:
     })
 
 
-def make_restore_consumer(config: BridgeConfig, instance_id: str, committed_only: bool = True) -> Consumer:
+def make_restore_consumer(config: BridgeConfig, instance_id: str, committed_only: bool = True,
+                          probe: bool = False) -> Consumer:
     """Reads changelog partitions by assignment (no group), committed transactions only (`committed_only=False`:
-    to ask a partition's high watermark)."""
+    to ask a partition's high watermark). `probe`: to read a record or two past a stalled partition's position,
+    with fetches of a few records, not the restore's 64 MiB."""
     isolation = "read_committed" if committed_only else "read_uncommitted"
+    fetch = {"fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 64 * 1024,
+             "queued.max.messages.kbytes": 1024} if probe else {
+        "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024}
     return Consumer({**_base(config), "group.id": f"rdq-restore-{instance_id}", "enable.auto.commit": False,
                      "isolation.level": isolation, "enable.partition.eof": True,
-                     "auto.offset.reset": "earliest", "fetch.max.bytes": 64 * 1024 * 1024,
-                     "max.partition.fetch.bytes": 16 * 1024 * 1024,
-                     "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
+                     "auto.offset.reset": "earliest", **fetch, "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
 
 
 def make_consumer(config: BridgeConfig, **overrides: Any) -> Consumer:

@@ -139,7 +139,8 @@ class Bridge:
                                  lambda: self.consumer.writable())
         self.hooks.claim_logged = lambda task, timeout: writer.logged(task.id, timeout)
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
-                            lambda: make_restore_consumer(config, instance, committed_only=False))
+                            lambda: make_restore_consumer(config, instance, committed_only=False),
+                            probe_factory=lambda: make_restore_consumer(config, instance, probe=True))
 
         async def ensure_topics() -> dict[str, str]:
             # A source topic created after the start: its changelog too (the writer and restorer share `topics`).

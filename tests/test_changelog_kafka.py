@@ -660,13 +660,15 @@ async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kaf
     consumer = make_restore_consumer(config, "t")
     try:
         restorer = Restorer(LocalIndex(store), {topic: changelog}, lambda: make_restore_consumer(config, "t"),
-                            SystemClock())
+                            SystemClock(), probe_factory=lambda: make_restore_consumer(config, "t", probe=True))
         _, end = consumer.get_watermark_offsets(TopicPartition(changelog, 0), 10.0, False)
         assert end == 6  # five records and the commit marker
         stalled = _Restoring((topic, 0), changelog, end=end, reached=2, last_progress=time.monotonic() - 60)
         with caplog.at_level(logging.WARNING, "bridge.changelog.restore"):
             assert not await restorer._stalled_at_markers(consumer, stalled)
         assert "at offset 2 of 6, its records not fetched" in caplog.text
+        never_fetched = _Restoring((topic, 0), changelog, end=end, last_progress=time.monotonic() - 60)
+        assert not await restorer._stalled_at_markers(consumer, never_fetched)
         at_its_last = _Restoring((topic, 0), changelog, end=end, reached=5, last_progress=time.monotonic() - 60)
         assert await restorer._stalled_at_markers(consumer, at_its_last)
     finally:

@@ -111,7 +111,7 @@ class _Fetched:
 class Restorer:
     def __init__(self, local: LocalIndex, topics: dict[str, str], consumer_factory: Callable[[], Consumer],
                  clock: Clock, end_factory: Callable[[], Consumer] | None = None,
-                 process_from: int = PROCESS_FROM) -> None:
+                 process_from: int = PROCESS_FROM, probe_factory: Callable[[], Consumer] | None = None) -> None:
         self.local = local
         self.topics = topics
         self.clock = clock
@@ -120,6 +120,7 @@ class Restorer:
         # consumer's "end" is the last stable offset, which stops short of everything committed after an open
         # transaction (a crashed owner's), and a restore that stopped there would miss it.
         self._end_factory = end_factory or consumer_factory
+        self._probe_factory = probe_factory or consumer_factory  # reads past a stalled partition's markers
         self._thread = OneThread("rdq-restore")
         self._process_from = process_from  # records to restore from which they are decoded in a process
         self.decoded_in_process = 0  # batches of the last restore decoded in the process (the bench prints it)
@@ -306,8 +307,8 @@ class Restorer:
             log.warning("restoring %s/%d: waiting at offset %d for %d (an open transaction of the previous owner "
                         "holds it until the broker aborts it)", part.topic, part.home[1], part.reached, part.end)
             return False
-        if await asyncio.to_thread(self._nothing_left_to_read, part):
-            return True
+        if part.reached >= 0 and await asyncio.to_thread(self._nothing_left_to_read, part):
+            return True  # (one never fetched has not been read by its position either: not one to probe)
         log.warning("restoring %s/%d: at offset %d of %d, its records not fetched for %.0f s (the restore consumer "
                     "is reading the other partitions)", part.topic, part.home[1], part.reached, part.end, _STALL_WARN)
         return False
@@ -315,9 +316,9 @@ class Restorer:
     def _nothing_left_to_read(self, part: _Restoring) -> bool:
         """By a consumer of its own, committed records only, from where the partition was reached: it comes to the
         end with no record (commit markers only), or finds one still to restore (or cannot tell in time)."""
-        probe = self._consumer_factory()
+        probe = self._probe_factory()
         try:
-            probe.assign([TopicPartition(*part.partition, part.reached if part.reached >= 0 else OFFSET_BEGINNING)])
+            probe.assign([TopicPartition(*part.partition, part.reached)])
             deadline = time.monotonic() + _PROBE_WITHIN
             while time.monotonic() < deadline:
                 msg = probe.poll(0.2)
