@@ -93,9 +93,13 @@ def make_restore_consumer(config: BridgeConfig, instance_id: str, committed_only
     to ask a partition's high watermark). `probe`: to read a record or two past a stalled partition's position,
     with fetches of a few records, not the restore's 64 MiB."""
     isolation = "read_committed" if committed_only else "read_uncommitted"
+    # Measured (bench_changelog restore, 300k tasks over 12 partitions): with fetches of 64 MiB (16 a partition)
+    # and librdkafka's 64 MiB queue the restoring process peaked at 1,197 MiB; with 4 MiB (1 a partition, a 4 MiB
+    # queue) at 384 MiB, and restored faster (14,569 against 9,858 tasks/s: smaller batches overlap better).
     fetch = {"fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 64 * 1024,
              "queued.max.messages.kbytes": 1024} if probe else {
-        "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024}
+        "fetch.max.bytes": 4 * 1024 * 1024, "max.partition.fetch.bytes": 1024 * 1024,
+        "queued.max.messages.kbytes": 4 * 1024}
     return Consumer({**_base(config), "group.id": f"rdq-restore-{instance_id}", "enable.auto.commit": False,
                      "isolation.level": isolation, "enable.partition.eof": True,
                      "auto.offset.reset": "earliest", **fetch, "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
