@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException, WebDriverException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -95,6 +95,10 @@ def wait_for(driver: Any, css: str, text: str | None = None, within: float = 60)
             hit = [e for e in elements if text is None or text in e.text]
         except StaleElementReferenceException:
             return False
+        except WebDriverException as e:  # the same, as Chrome words it when the page reloads mid-read (seen in CI)
+            if "does not belong to the document" in str(e):
+                return False
+            raise
         return hit[0] if hit else False
 
     try:
