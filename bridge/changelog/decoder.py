@@ -3,7 +3,7 @@
 In one process the restore thread decoding the next batch and the store's thread applying this one shared one GIL:
 measured, decoding took 77 µs a record there against 22-45 µs alone, and the partition waited on it (bench
 `bench_changelog restore`). A small restore (a few records a partition: a rolling restart) decodes on the restore
-thread: starting a process (~0.3 s) would cost it more than it saves.
+thread: starting a process (its interpreter imports the bridge again) would cost it more than it saves.
 
 The process decodes only; the records are read, the store written and every rule applied here. Should it die or
 never start, the batch is decoded on the restore thread, and so is the rest of that restore: nothing is lost, a
