@@ -176,13 +176,13 @@ async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tm
         await b_local.set_home(HOME, HomeState.ACTIVE)
         await b_local.mark_logged([e for e in await b_local.outbox(10) if e.task_id in (gone.id, kept.id)])
         await b_local.set_home(HOME, HomeState.NOT_OURS)
-        seen: set[str] = set()
+        await b_local.restore_begin(HOME)
         errors: list[str] = []
         batch = await b_local.restore_batch(HOME, "cl", [*records, (99, later_purged.id.encode(), None),
-                                                         (100, b"x", b"not json")], seen, T0, errors)
+                                                         (100, b"x", b"not json")], T0, errors)
         assert (batch.applied, batch.tombstones, batch.unreadable) == (3, 1, 1)
         assert len(errors) == 1 and "cl/0/100" in errors[0]
-        dropped = await b_local.restore_finish(HOME, seen)
+        dropped = await b_local.restore_finish(HOME)
         assert dropped == 1 and await b.get(gone.id) is None
         assert await b.get(later_purged.id) is None  # its tombstone
         restored = await b.get(kept.id)
@@ -194,6 +194,30 @@ async def test_restore_the_changelog_wins_keeps_never_logged_and_drops_purged(tm
         assert await b_local.unreadable_counts() == {"cl/0": 1}
     finally:
         await b.close()
+
+
+async def test_a_restore_given_up_and_begun_again_looks_for_every_logged_task_again(tmp_path: Path) -> None:
+    """What a restore has yet to find is kept in the store (restore_pending), not in memory. A restore given up
+    half-way (its partition revoked) leaves its rows behind; the next restore of the partition starts from what the
+    file holds then: a task the first one found, purged from the changelog since, is dropped by the second; the
+    tasks still in the changelog stay, the one the first restore never reached among them."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        kept, purged, unreached = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
+        records = await _logged_records(store, local, kept, purged, unreached)
+        await local.set_home(HOME, HomeState.NOT_OURS)  # a restart: not this instance's until restored
+        log = {task_id: (i, task_id.encode(), json.dumps(r).encode()) for i, (task_id, r) in enumerate(records.items())}
+        await local.restore_begin(HOME)
+        await local.restore_batch(HOME, "cl", [log[kept.id], log[purged.id]], T0, [])  # then revoked
+        # Assigned again; meanwhile `purged` was deleted and its tombstone compacted away.
+        await local.restore_begin(HOME)
+        await local.restore_batch(HOME, "cl", [log[kept.id], log[unreached.id]], T0, [])
+        assert await local.restore_finish(HOME) == 1
+        assert await store.get(purged.id) is None
+        assert await store.get(kept.id) is not None and await store.get(unreached.id) is not None
+        assert await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM restore_pending").fetchone()[0]) == 0
+    finally:
+        await store.close()
 
 
 async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path: Path) -> None:
@@ -222,10 +246,9 @@ async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path
         records = [(0, task.id.encode(), logged[task.id].value), (1, other.id.encode(), logged[other.id].value),
                    (2, other.id.encode(), json.dumps(elsewhere).encode()),
                    (3, tie.id.encode(), by_id[tie.id].value.replace(b'"me"', b'"them"'))]  # type: ignore[union-attr]
-        seen: set[str] = set()
-        existing = await local.home_ids(HOME)
-        await local.restore_batch(HOME, "cl", records, seen, T0, [], existing)
-        assert await local.restore_finish(HOME, seen) == 0
+        await local.restore_begin(HOME)
+        await local.restore_batch(HOME, "cl", records, T0, [])
+        assert await local.restore_finish(HOME) == 0
         kept = await store.get(task.id)
         assert kept is not None and kept.status == Status.IN_FLIGHT and kept.lease_owner == "me"
         moved = await store.get(other.id)
@@ -261,11 +284,10 @@ async def test_a_restore_does_not_release_the_record_parked_behind_a_held_dead_h
         await local.mark_logged(entries)
         await local.set_home(HOME, HomeState.NOT_OURS)  # a restart: restored from the changelog
         records = {e.task_id: (i, e.task_id.encode(), e.value) for i, e in enumerate(entries)}
-        seen: set[str] = set()
-        existing = await local.home_ids(HOME)
+        await local.restore_begin(HOME)
         for task_id in (behind.id, held.id):  # the head's record in a later batch than its parked one's
-            await local.restore_batch(HOME, "cl", [records[task_id]], seen, T0, [], existing)
-        await local.restore_finish(HOME, seen)
+            await local.restore_batch(HOME, "cl", [records[task_id]], T0, [])
+        await local.restore_finish(HOME)
         assert (await store.get(behind.id)).status == Status.PARKED  # type: ignore[union-attr]
         assert (await store.get(held.id)).status == Status.DEAD  # type: ignore[union-attr]
         assert await store.skip(held.id) == held.order_key  # an SRE's skip still releases it
@@ -310,13 +332,12 @@ async def test_a_record_the_store_refuses_is_quarantined_and_the_rest_of_its_bat
     records[twice.id]["attempts"] *= 2  # the same attempt twice: the attempts table's key refuses it
     b, b_local = await scoped_store(tmp_path / "b")
     try:
-        seen: set[str] = set()
+        await b_local.restore_begin(HOME)
         errors: list[str] = []
         batch = [(i, task_id.encode(), json.dumps(record).encode())
                  for i, (task_id, record) in enumerate(records.items())]
-        result = await b_local.restore_batch(HOME, "cl", batch, seen, T0, errors)
+        result = await b_local.restore_batch(HOME, "cl", batch, T0, errors)
         assert (result.applied, result.unreadable) == (1, 2)
-        assert seen == {good.id}
         assert await b.get(good.id) is not None and await b.get(odd.id) is None and await b.get(twice.id) is None
         assert len(errors) == 2 and any("HIBERNATING" in e for e in errors)
         assert await b_local.unreadable_counts() == {"cl/0": 2}
@@ -340,16 +361,16 @@ async def test_a_task_whose_last_record_is_unreadable_is_quarantined_not_restore
     log = [(0, task.id.encode(), json.dumps(first).encode()), (1, task.id.encode(), json.dumps(newer).encode())]
     b, b_local = await scoped_store(tmp_path / "b")
     try:
-        seen: set[str] = set()
+        await b_local.restore_begin(HOME)
         for part in ([log] if batches == "one batch" else [[r] for r in log]):
-            await b_local.restore_batch(HOME, "cl", part, seen, T0, [])
-        assert await b_local.restore_finish(HOME, seen) == 0
+            await b_local.restore_batch(HOME, "cl", part, T0, [])
+        assert await b_local.restore_finish(HOME) == 0
         assert await b.get(task.id) is None  # not PENDING again
         assert await b_local.quarantined_counts() == {"cl/0": 1}
         assert await b.claim_due("q", 10, 30, "w", T0 + 10) == []
         # Its next record, readable (the newer release was rolled back and the task moved on): restored.
         later = {**first, "version": 5}
-        await b_local.restore_batch(HOME, "cl", [(2, task.id.encode(), json.dumps(later).encode())], seen, T0, [])
+        await b_local.restore_batch(HOME, "cl", [(2, task.id.encode(), json.dumps(later).encode())], T0, [])
         restored = await b.get(task.id)
         assert restored is not None and restored.status == Status.PENDING
         assert await b_local.quarantined_counts() == {}
@@ -467,9 +488,9 @@ async def test_a_restore_puts_back_every_field_its_records_hold(tmp_path: Path) 
         await a_local.set_home(HOME, HomeState.ACTIVE)
         records = [(i, e.task_id.encode(), e.value) for i, e in enumerate(await a_local.outbox(1000))]
         assert len(records) == len(rows)
-        seen: set[str] = set()
+        await b_local.restore_begin(HOME)
         for start in range(0, len(records), 250):
-            applied = await b_local.restore_batch(HOME, "cl", records[start : start + 250], seen, T0, [])
+            applied = await b_local.restore_batch(HOME, "cl", records[start : start + 250], T0, [])
             assert applied.unreadable == 0
         for _, key, value in records:
             task_id = key.decode()

@@ -294,11 +294,10 @@ class Ordering(RuleBasedStateMachine):
             return [(i, row["id"].encode(), LocalIndex._entry(conn, row).value) for i, row in enumerate(rows)]
 
         log = self.run(self.store.db.read(records))
-        seen: set[str] = set()
-        existing = self.run(local.home_ids(HOME))
+        self.run(local.restore_begin(HOME))
         size = max(1, len(log) // split)
         for start in range(0, len(log), size):
-            self.run(local.restore_batch(HOME, "cl", log[start:start + size], seen, self.tick(), [], existing))
+            self.run(local.restore_batch(HOME, "cl", log[start:start + size], self.tick(), []))
         after = {t.id: (t.status, t.order_hold) for t in self.tasks()}
         assert after == before, f"the restore changed states: {before} → {after}"
 

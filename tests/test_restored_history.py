@@ -51,7 +51,7 @@ async def _restore(tmp_path: Path, records: dict[str, dict[str, Any]]) -> tuple[
     store, local = await scoped_store(tmp_path)
     batch = [(i, task_id.encode(), json.dumps(record).encode()) for i, (task_id, record) in enumerate(records.items())]
     errors: list[str] = []
-    result = await local.restore_batch(HOME, "cl", batch, set(), T0, errors)
+    result = await local.restore_batch(HOME, "cl", batch, T0, errors)
     assert (result.applied, result.unreadable, errors) == (len(records), 0, [])
     return store, local
 

@@ -180,9 +180,20 @@ class LocalIndex:
 
     # ---- restore ---------------------------------------------------------------------------------------
 
-    async def restore_batch(self, home: Home, changelog_topic: str,
-                            records: list[Record] | Picked, seen: set[str], now: int,
-                            errors: list[str], existing: frozenset[str] = frozenset()) -> RestoreBatch:
+    async def restore_begin(self, home: Home) -> None:
+        """A restore of this partition from the beginning of its changelog starts: what this file had logged of it
+        is what the restore has yet to find (table restore_pending; `restore_finish` drops what it never found).
+        Kept on disk, not in memory: a million restored ids held in a set were a hundred MiB."""
+        params = {"topic": home[0], "partition": home[1]}
+
+        def apply(conn: sqlite3.Connection) -> None:
+            conn.execute(q("restore_pending_clear"), params)
+            conn.execute(q("restore_pending_begin"), params)
+
+        await self.store.db.write(apply)
+
+    async def restore_batch(self, home: Home, changelog_topic: str, records: list[Record] | Picked, now: int,
+                            errors: list[str]) -> RestoreBatch:
         """Apply changelog records in log order: the changelog wins over this file. A record that cannot be read
         is kept (table changelog_unreadable) and counted, never dropped silently, and does not stop the restore;
         its task is quarantined (`_quarantine`): not restored from its earlier records.
@@ -191,6 +202,7 @@ class LocalIndex:
         batch's tasks are replaced with a few `executemany`, not statement by statement. `records` may come
         already picked (`pick_last`, done by the restorer while the store applies the previous batch)."""
         result = RestoreBatch()
+        params = {"topic": home[0], "partition": home[1]}
 
         def apply(conn: sqlite3.Connection) -> RestoreBatch:
             picked = records if isinstance(records, Picked) else pick_last(records)
@@ -200,7 +212,7 @@ class LocalIndex:
             result.applied, result.tombstones, result.unreadable = (picked.applied, picked.tombstones,
                                                                     len(picked.unreadable))
             with _guarded(conn):
-                refused = self._replace(conn, last, seen | existing)
+                refused = self._replace(conn, last)
                 for task_id, why in refused.items():
                     offset, key, value = picked.record_of(task_id)
                     self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
@@ -209,14 +221,10 @@ class LocalIndex:
                     result.applied -= 1
                     result.unreadable += 1
                 self._quarantine(conn, changelog_topic, home[1], held, now)
-            # One statement for the batch: the restore is a partition's downtime.
+            # One statement each for the batch: the restore is a partition's downtime.
+            found = orjson.dumps([*last, *held]).decode()
             conn.execute(q("quarantine_end"), {"ids": orjson.dumps(list(last)).decode()})
-            for task_id, state in last.items():
-                if state is None:
-                    seen.discard(task_id)
-                else:
-                    seen.add(task_id)
-            seen.difference_update(held)
+            conn.execute(q("restore_pending_found"), {**params, "ids": found})
             return result
 
         return await self.store.db.write(apply)
@@ -240,20 +248,20 @@ class LocalIndex:
             conn.execute(q("quarantine_add"), {"task_id": task_id, "topic": topic, "partition": partition,
                                                "offset": offset, "error": why, "now": now})
 
-    def _replace(self, conn: sqlite3.Connection, last: dict[str, Row | None],
-                 known: set[str]) -> dict[str, str]:
-        """`known`: the tasks this file may hold (found at the start of the restore, or restored since); the
-        others are new here: nothing to delete first. Returns the records the store refused (a rule of its
-        schema broken: task id → why), restored as none.
+    def _replace(self, conn: sqlite3.Connection, last: dict[str, Row | None]) -> dict[str, str]:
+        """Replace these tasks by their changelog states (None: a tombstone); those this file does not hold are
+        new here: nothing to delete first. Returns the records the store refused (a rule of its schema broken:
+        task id → why), restored as none.
 
         The higher version wins, the changelog's at a tie: a transition this file made and the changelog never
         acknowledged (a claim written just before the handler killed the process) is newer than the changelog's
         state and stays, to be logged now. Letting the changelog's older PENDING win forgot the claim, so the
         lapsed lease was never counted and a poison pill retried for ever."""
-        newer_here = self._newer_here(conn, last, known)
+        local = dict(conn.execute(q("versions_of"), {"ids": orjson.dumps(list(last)).decode()}).fetchall())
+        newer_here = {i for i, r in last.items() if r is not None and local.get(i, -1) > r.version}
         if newer_here:
             last = {i: r for i, r in last.items() if i not in newer_here}
-        ids = [{"id": i} for i in last if i in known]
+        ids = [{"id": i} for i in last if i in local]
         conn.executemany(q("delete_attempts"), ids)
         conn.executemany(q("delete_redrives"), ids)
         conn.executemany(q("delete_task"), ids)
@@ -300,15 +308,6 @@ class LocalIndex:
         return refused
 
     @staticmethod
-    def _newer_here(conn: sqlite3.Connection, last: dict[str, Row | None], known: set[str]) -> set[str]:
-        """Of the restored tasks, those whose local state is of a higher version than their changelog record."""
-        candidates = [i for i, r in last.items() if r is not None and i in known]
-        if not candidates:
-            return set()
-        local = dict(conn.execute(q("versions_of"), {"ids": orjson.dumps(candidates).decode()}).fetchall())
-        return {i for i in candidates if local.get(i, -1) > last[i].version}  # type: ignore[union-attr]
-
-    @staticmethod
     def _delete_history(conn: sqlite3.Connection, task_id: str) -> None:
         conn.execute(q("delete_attempts"), {"id": task_id})
         conn.execute(q("delete_redrives"), {"id": task_id})
@@ -317,23 +316,19 @@ class LocalIndex:
         conn.execute(q("delete_task"), {"id": task_id})
         self._delete_history(conn, task_id)
 
-    async def home_ids(self, home: Home) -> frozenset[str]:
-        params = {"topic": home[0], "partition": home[1]}
-        rows = await self.store.db.read(lambda c: c.execute(q("home_task_ids"), params).fetchall())
-        return frozenset(r[0] for r in rows)
-
-    async def restore_finish(self, home: Home, seen: set[str]) -> int:
-        """After a restore from the beginning: a task the changelog had logged but no longer holds was purged
-        (its tombstone compacted away): it goes. A task never logged stays, to be logged now (a first start with
-        the changelog on; or written just before a crash, its source offset not committed)."""
+    async def restore_finish(self, home: Home) -> int:
+        """After a restore from the beginning (`restore_begin`, then every batch): a task this file had logged
+        that the changelog no longer holds was purged (its tombstone compacted away): it goes. A task never logged
+        stays, to be logged now (a first start with the changelog on; or written just before a crash, its source
+        offset not committed)."""
         params = {"topic": home[0], "partition": home[1]}
 
         def apply(conn: sqlite3.Connection) -> int:
-            gone = [r[0] for r in conn.execute(q("home_task_ids"), params).fetchall()
-                    if r[0] not in seen and r[1] > 0]
+            gone = [r[0] for r in conn.execute(q("restore_pending_gone"), params).fetchall()]
             with _guarded(conn):
                 for task_id in gone:
                     self._delete(conn, task_id)
+            conn.execute(q("restore_pending_clear"), params)
             return len(gone)
 
         return await self.store.db.write(apply)

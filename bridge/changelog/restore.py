@@ -57,16 +57,15 @@ class RestoreFailed(RuntimeError):
 @dataclass
 class _Restoring:
     """One changelog partition being restored: its end (the high watermark when the restore began), how far it
-    was read, the tasks it held, and its figures."""
+    was read, and its figures. The tasks it found are the store's to know (`LocalIndex.restore_begin`): nothing
+    here grows with the partition."""
 
     home: Home
     topic: str
     end: int = 0
     empty: bool = True
-    existing: frozenset[str] = frozenset()
     reached: int = -1
     done: bool = False  # finished (restored or given up)
-    seen: set[str] = field(default_factory=set)
     tasks: int = 0
     tombstones: int = 0
     unreadable: int = 0
@@ -175,10 +174,10 @@ class Restorer:
         try:
             reading: dict[Changelog, _Restoring] = {}
             for key, part in parts.items():
+                await self.local.restore_begin(part.home)  # an empty changelog too: it holds none of them
                 if part.empty:
                     await self._finish(part, restored, failed, wanted)
                 else:
-                    part.existing = await self.local.home_ids(part.home)
                     reading[key] = part
             if reading:
                 await self._call(consumer.assign, [TopicPartition(*key, OFFSET_BEGINNING) for key in reading])
@@ -245,8 +244,7 @@ class Restorer:
                 continue  # finished or given up while this batch was fetched
             began = time.monotonic()
             try:
-                applied = await self.local.restore_batch(part.home, part.topic, picked, part.seen,
-                                                         self.clock.now_ms(), errors, part.existing)
+                applied = await self.local.restore_batch(part.home, part.topic, picked, self.clock.now_ms(), errors)
             except StoreError as e:
                 part.done = True
                 failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
@@ -348,7 +346,7 @@ class Restorer:
             failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: no longer assigned")
             return
         try:
-            dropped = await self.local.restore_finish(part.home, part.seen)
+            dropped = await self.local.restore_finish(part.home)
             await restored(part.report(dropped))
         except (KafkaException, StoreError) as e:
             failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")

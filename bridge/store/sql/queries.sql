@@ -611,8 +611,27 @@ DELETE FROM restore_guard;
 -- name: versions_of
 SELECT id, version FROM tasks WHERE id IN (SELECT value FROM json_each(:ids));
 
--- name: home_task_ids
-SELECT id, logged_version FROM tasks WHERE home_topic = :topic AND home_partition = :partition;
+-- name: restore_pending_begin
+-- A restore's start: the tasks of its partition this file had logged are what it has yet to find (migration 0014).
+-- A row left by a restore of the partition that was given up is replaced first (restore_pending_clear).
+INSERT INTO restore_pending (home_topic, home_partition, task_id)
+SELECT home_topic, home_partition, id FROM tasks
+ WHERE home_topic = :topic AND home_partition = :partition AND logged_version > 0;
+
+-- name: restore_pending_clear
+DELETE FROM restore_pending WHERE home_topic = :topic AND home_partition = :partition;
+
+-- name: restore_pending_found
+-- A batch's tasks (:ids, a JSON array) are in the changelog: found, whatever their record says.
+DELETE FROM restore_pending
+ WHERE home_topic = :topic AND home_partition = :partition AND task_id IN (SELECT value FROM json_each(:ids));
+
+-- name: restore_pending_gone
+-- The partition's changelog read to its end: what it never held of what this file had logged (purged, the
+-- tombstone compacted away). Only a task still of this partition and still logged.
+SELECT p.task_id FROM restore_pending p JOIN tasks t ON t.id = p.task_id
+ WHERE p.home_topic = :topic AND p.home_partition = :partition
+   AND t.home_topic = p.home_topic AND t.home_partition = p.home_partition AND t.logged_version > 0;
 
 -- name: homes_present
 SELECT DISTINCT home_topic, home_partition FROM tasks WHERE home_topic IS NOT NULL;
