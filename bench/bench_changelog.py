@@ -116,19 +116,21 @@ async def peak_rss() -> tuple[float, float]:
 
 
 def _children() -> list[str]:
-    """This process's children but multiprocessing's resource tracker (a spawn context starts one)."""
+    """This process's spawned Python children (the decoding process) but multiprocessing's resource tracker (a spawn
+    context starts one). Not the broker: a bench that starts its own broker is its parent (its JVM's ~430 MiB were
+    once printed as the decoding process's)."""
     pids: list[str] = []
     for task in Path("/proc/self/task").iterdir():
         with contextlib.suppress(OSError):
             pids += (task / "children").read_text().split()
-    return [pid for pid in pids if b"resource_tracker" not in _cmdline(pid)]
+    return [pid for pid in pids if b"spawn_main" in (cmdline := _cmdline(pid)) and b"resource_tracker" not in cmdline]
 
 
 def _cmdline(pid: str) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return b"resource_tracker"  # gone: not counted
+        return b""  # gone: not counted
 
 
 async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: int = 1) -> None:
