@@ -152,6 +152,7 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "bench"), _Clock(),
                             lambda: make_restore_consumer(config, "bench", committed_only=False),
                             probe_factory=lambda: make_restore_consumer(config, "bench", probe=True))
+        before = rss_mib()
         began = time.perf_counter()
         ready: dict[int, float] = {}
 
@@ -181,7 +182,7 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         f"ratio {n / elapsed / bare:.2f}  (goal >= {20000 if partitions == 1 else 50000} tasks/s)",
         f"partition unavailable while restoring: {elapsed:.2f} s"
         + (f" (the last; the first ready after {min(ready.values()):.2f} s)" if partitions > 1 else ""),
-        f"RSS of the restoring process: peak {own:.1f} MiB, at the end {rss:.1f} MiB; "
+        f"RSS of the restoring process: {before:.1f} MiB before, peak {own:.1f} MiB, at the end {rss:.1f} MiB; "
         f"the decoding process's peak {children:.1f} MiB",
         "where the restore's time went (pipelined: the next batch read and decoded while the store applies this "
         f"one): read {spent['fetch']:.2f} s, decode {spent['decode']:.2f} s "
