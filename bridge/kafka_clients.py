@@ -95,11 +95,14 @@ def make_restore_consumer(config: BridgeConfig, instance_id: str, committed_only
     isolation = "read_committed" if committed_only else "read_uncommitted"
     # Measured (bench_changelog restore, 300k tasks over 12 partitions): with fetches of 64 MiB (16 a partition)
     # and librdkafka's 64 MiB queue the restoring process peaked at 1,197 MiB; with 4 MiB (1 a partition, a 4 MiB
-    # queue) at 384 MiB, and restored faster (14,569 against 9,858 tasks/s: smaller batches overlap better).
+    # queue) at 384 MiB, and restored faster (14,569 against 9,858 tasks/s: smaller batches overlap better). With
+    # 1 MiB (256 KiB a partition, a 1 MiB queue) and batches of 1,000 records (restore.py) the peak of 200k tasks
+    # over 12 partitions fell from 331 to 140 MiB at the same rate (bench/RESULTS.md, 2026-12-04). The queue's
+    # size counts fetched bytes: a compressed changelog (lz4 in the bench) is several times that once decoded.
     fetch = {"fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 64 * 1024,
              "queued.max.messages.kbytes": 1024} if probe else {
-        "fetch.max.bytes": 4 * 1024 * 1024, "max.partition.fetch.bytes": 1024 * 1024,
-        "queued.max.messages.kbytes": 4 * 1024}
+        "fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 256 * 1024,
+        "queued.max.messages.kbytes": 1024}
     return Consumer({**_base(config), "group.id": f"rdq-restore-{instance_id}", "enable.auto.commit": False,
                      "isolation.level": isolation, "enable.partition.eof": True,
                      "auto.offset.reset": "earliest", **fetch, "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS})
