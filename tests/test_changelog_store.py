@@ -220,6 +220,22 @@ async def test_a_restore_given_up_and_begun_again_looks_for_every_logged_task_ag
         await store.close()
 
 
+async def test_a_partition_dropped_after_a_restore_given_up_leaves_nothing_of_it(tmp_path: Path) -> None:
+    """A restore given up (revoked) leaves its rows in restore_pending; the partition then handed over and dropped
+    from this file takes them with it (no row of a partition this file no longer holds stays behind)."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        task = on("src", 0, 1)
+        await _logged_records(store, local, task)
+        await local.set_home(HOME, HomeState.NOT_OURS)
+        await local.restore_begin(HOME)
+        assert await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM restore_pending").fetchone()[0]) == 1
+        assert await local.drop_home(HOME) == 1
+        assert await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM restore_pending").fetchone()[0]) == 0
+    finally:
+        await store.close()
+
+
 async def test_a_restore_on_the_same_disk_never_forgets_a_claim_it_made(tmp_path: Path) -> None:
     """The poison pill and changelog case: a task logged PENDING (version 1), then claimed here (version 2, not yet
     logged: the handler killed the process first). At the restart the changelog's older PENDING must not win:

@@ -166,6 +166,7 @@ class LocalIndex:
         def apply(conn: sqlite3.Connection) -> int:
             conn.execute(q("home_deactivate"), params)
             conn.execute(q("home_drop_tombstones"), params)
+            conn.execute(q("restore_pending_clear"), params)  # a restore of it given up left its rows
             ids = [r[0] for r in conn.execute(q("home_drop_tasks"), params).fetchall()]
             for task_id in ids:
                 conn.execute(q("delete_attempts"), {"id": task_id})
