@@ -37,8 +37,9 @@ class Hooks:
         self.task_dead = Hook("a task went DEAD")
         # queue: a new PENDING task (the scheduler, or a waiting remote claim, looks now)
         self.task_pending = Hook("a new PENDING task")
-        # queue: PENDING tasks due now are queued for the store's next group commit, not yet committed: a claim
-        # queued now rides the same transaction (the scheduler claims them without a commit of its own)
+        # queue, count: that many PENDING tasks due now are queued for the store's next group commit, not yet
+        # committed: a claim queued now rides the same transaction (the scheduler claims them without a commit of
+        # its own)
         self.due_tasks_queued = Hook("due tasks queued for the store")
         # queue, outcomes: the outcomes of a batch of first attempts (the queue's circuit breaker counts them)
         self.first_attempts = Hook("first attempts ended")

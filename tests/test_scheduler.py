@@ -675,11 +675,44 @@ async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twi
     try:
         assert await store.submit_many([failure(handler="hold", now=engine.clock.now_ms()) for _ in range(6)]) \
             == [None] * 6
-        engine.scheduler.claim_behind("q")
+        engine.scheduler.claim_behind("q", 6)
         [behind] = engine.scheduler._claiming_behind
         claimed = await engine.scheduler.run_once("q")  # the queue loop, before the claim behind has run
         assert claimed + await behind <= 2
         assert sum(1 for t in await store.list_tasks("q") if t.status == Status.IN_FLIGHT) == 2
+    finally:
+        release.set()
+        await engine.scheduler.drain(2.0)
+        engine.close()
+        await store.close()
+
+
+async def test_a_claim_behind_in_flight_leaves_the_slots_for_the_next_first_deliverys_retries(tmp_path: Path) -> None:
+    """Two first deliveries' zero-backoff failures queued one after the other, each with its claim behind it: both
+    are claimed in the commit that stores them. The first claim reserved every free slot while it was in flight,
+    so the second found none and its task waited for the queue loop (the tail of bench_kafka e2e)."""
+    registry = Registry()
+    release = asyncio.Event()
+
+    async def hold(ctx: HandlerContext) -> None:
+        await release.wait()
+
+    registry.register("hold", hold)
+    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "hold", "concurrency": 4})
+    store = await Store.open(config.store.path)
+    engine = Engine(store, LiveConfig(config), registry, instance_id="test-1")
+    try:
+        now = engine.clock.now_ms()
+        first = asyncio.ensure_future(store.submit_many([failure(handler="hold", now=now)],
+                                                        lambda: engine.scheduler.claim_behind("q", 1)))
+        await asyncio.sleep(0)  # queued, its claim behind it; not yet committed
+        second = asyncio.ensure_future(store.submit_many([failure(handler="hold", now=now)],
+                                                         lambda: engine.scheduler.claim_behind("q", 1)))
+        await asyncio.sleep(0)
+        claims = list(engine.scheduler._claiming_behind)
+        assert len(claims) == 2  # the second claim was queued too
+        assert await first == [None] and await second == [None]
+        assert sorted(await asyncio.gather(*claims)) == [1, 1]  # each claimed its own task, in its commit
     finally:
         release.set()
         await engine.scheduler.drain(2.0)

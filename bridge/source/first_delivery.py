@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -363,8 +364,9 @@ class FirstDelivery:
         """The tasks are queued for the store's next commit: the scheduler may claim those due now behind them,
         in the same transaction (a zero-backoff retry then costs no commit of its own)."""
         now = self.clock.now_ms()
-        for queue in {t.queue for t in tasks if t.status == Status.PENDING and (t.next_attempt_at or 0) <= now}:
-            self.hooks.due_tasks_queued(queue)
+        due = Counter(t.queue for t in tasks if t.status == Status.PENDING and (t.next_attempt_at or 0) <= now)
+        for queue, count in due.items():
+            self.hooks.due_tasks_queued(queue, count)
 
     def _stored(self, task: NewTask) -> None:
         metrics = self.telemetry.metrics
