@@ -184,7 +184,7 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         + (f" (the last; the first ready after {min(ready.values()):.2f} s)" if partitions > 1 else ""),
         f"RSS of the restoring process: {before:.1f} MiB before, peak {own:.1f} MiB, at the end {rss:.1f} MiB; "
         f"the decoding process's peak {children:.1f} MiB",
-        "where the restore's time went (pipelined: the next batch read and decoded while the store applies this "
+        "where the restore's time went (pipelined: the next two batches read and decoded while the store applies this "
         f"one): read {spent['fetch']:.2f} s, decode {spent['decode']:.2f} s "
         f"({f'{in_process} batches in a process of its own' if in_process else 'on the restore thread'}), store apply "
         f"{spent['apply']:.2f} s, waiting for a batch the apply did not hide {spent['waited']:.2f} s",

@@ -631,6 +631,128 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         await store.close()
 
 
+async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decoded_first(
+        kafka: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restore reads and decodes the next batches while the store applies one. Here each batch takes less time
+    to come than the one read before it, so they finish out of order: task 3's three states, one a batch, must
+    still end at its last, task 5's tombstone (last batch) must win over its record (first batch), and no batch
+    may be left behind when the partition's end is reached."""
+    from bench.bench_changelog import task_record
+    from bridge.changelog.decoder import Decoder
+    from bridge.changelog.picking import pick_last
+    from bridge.changelog.restore import Restorer, _Fetched, _Restoring
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    changelog = config.changelog_topic(topic)
+    batches: list[list[tuple[int, bytes | None, bytes | None]]] = [[], [], [], []]
+    offset = 0
+    for batch, (first, attempts) in enumerate([(0, 1), (10, 2), (20, 3)]):
+        records = [task_record(i, topic, 1) for i in range(first, first + 10)] + [task_record(3, topic, attempts)]
+        if batch == 2:
+            records.append((task_record(5, topic, 1)[0], None))
+        for key, value in records:
+            batches[batch].append((offset, key, value))
+            offset += 1
+    end = offset
+    reads = iter(range(len(batches)))
+
+    async def read_decoded(self: Restorer, consumer: Any, decoder: Any, keys: Any) -> _Fetched:
+        n = next(reads, len(batches) - 1)
+        await asyncio.sleep(0.05 * (len(batches) - n))  # each read ahead comes back before the one before it
+        fetched = _Fetched()
+        if batches[n]:
+            fetched.batches[(changelog, 0)] = (pick_last(batches[n]), len(batches[n]))
+            fetched.reach((changelog, 0), batches[n][-1][0] + 1)
+        return fetched
+
+    monkeypatch.setattr(Restorer, "_read_decoded", read_decoded)
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    consumer = make_restore_consumer(config, "t")
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock())
+        consumer.assign([TopicPartition(changelog, 0, 0)])
+        part = _Restoring((topic, 0), changelog, end=end, empty=False)
+        await local.restore_begin(part.home)
+        reports: list[Any] = []
+
+        async def restored(report: Any) -> None:
+            reports.append(report)
+
+        failed: dict[Any, Exception] = {}
+        decoder = Decoder(lambda records: asyncio.sleep(0, pick_last(records)))
+        await restorer._read_all(consumer, decoder, {part.partition: part}, lambda _: True, restored, failed)
+        assert not failed and len(reports) == 1 and reports[0].records == end
+        three = await store.get(task_record(3, topic, 1)[0].decode())
+        assert three is not None and three.attempt_count == 3
+        assert await store.get(task_record(5, topic, 1)[0].decode()) is None
+        count = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
+        assert count == 29  # tasks 0-29 but the tombstoned one
+    finally:
+        consumer.close()
+        await store.close()
+
+
+async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_and_fail_apart(
+        kafka: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fetch of a many-partition restore brings a batch of each: they are applied in one group commit (one
+    fsync, not one a partition). A batch the store refuses fails its own partition (given up, retried by the
+    owner) and not the others of the commit."""
+    from bench.bench_changelog import task_record
+    from bridge.changelog.picking import pick_last
+    from bridge.changelog.restore import RestoreFailed, Restorer, _Fetched, _Restoring
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+    from bridge.store.database import StoreError
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=3)
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    changelog = config.changelog_topic(topic)
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    consumer = make_restore_consumer(config, "t")
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock())
+        consumer.assign([TopicPartition(changelog, p, 0) for p in range(3)])
+        reading = {}
+        fetched = _Fetched()
+        for p in range(3):
+            part = reading[(changelog, p)] = _Restoring((topic, p), changelog, end=10, empty=False)
+            await local.restore_begin(part.home)
+            records = [(i, *task_record(100 * p + i, topic, 2, partition=p)) for i in range(10)]
+            fetched.batches[(changelog, p)] = (pick_last(records), len(records))
+        applying = LocalIndex.restore_batch
+
+        async def refuse_partition_1(self: LocalIndex, home: Any, *args: Any) -> Any:
+            if home[1] == 1:
+                raise StoreError("refused")
+            return await applying(self, home, *args)
+
+        monkeypatch.setattr(LocalIndex, "restore_batch", refuse_partition_1)
+        commits = store.db.stats.batches
+        failed: dict[Any, Exception] = {}
+        await restorer._apply(fetched, reading, consumer, failed)
+        assert store.db.stats.batches == commits + 1
+        assert list(failed) == [(topic, 1)] and isinstance(failed[(topic, 1)], RestoreFailed)
+        assert sorted(p for _, p in reading) == [0, 2]  # partition 1 left the restore; the others go on
+        assert [reading[(changelog, p)].tasks for p in (0, 2)] == [10, 10]
+        rows = await store.db.read(lambda c: c.execute(
+            "SELECT home_partition, COUNT(*) FROM tasks GROUP BY 1 ORDER BY 1").fetchall())
+        assert [tuple(row) for row in rows] == [(0, 10), (2, 10)]
+    finally:
+        consumer.close()
+        await store.close()
+
+
 async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kafka: Any, tmp_path: Path,
                                                                              caplog: pytest.LogCaptureFixture) -> None:
     """A restore of many partitions through one consumer can leave one unfetched for a while (seen: 12 partitions
