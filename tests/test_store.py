@@ -39,6 +39,25 @@ async def test_store_is_wal_with_full_sync_by_default(store: Store) -> None:
     assert await store.schema_version() == len(migrations()) >= 2
 
 
+async def test_nulls_and_blobs_are_bound_without_the_adapter_lookup_and_read_back_as_they_were(store: Store) -> None:
+    """The store registers identity adapters for None and bytes (`bind_without_adapting`: the sqlite3 module's
+    lookup for every NULL and blob was a large share of a restore's store time). What is stored does not change:
+    NULL stays NULL, an empty payload stays an empty blob (not NULL), binary bytes come back byte for byte."""
+    protocol = sqlite3.PrepareProtocol
+    assert (type(None), protocol) in sqlite3.adapters and (bytes, protocol) in sqlite3.adapters
+    payloads = [b"", bytes(range(256)), b"\x00" * 3]
+    ids = []
+    for payload in payloads:
+        ids.append(await store.submit(failure(payload=payload)))
+    for task_id, payload in zip(ids, payloads, strict=True):
+        task = await store.get(task_id)
+        assert task is not None and task.payload == payload and type(task.payload) is bytes
+        assert task.handler_version is None and task.lease_owner is None and task.finished_at is None
+    kinds = await store.db.read(lambda c: c.execute(
+        "SELECT typeof(payload), typeof(handler_version), typeof(lease_owner) FROM tasks ORDER BY rowid").fetchall())
+    assert [tuple(k) for k in kinds] == [("blob", "null", "null")] * 3
+
+
 async def test_submit_retryable_first_delivery_is_pending_with_attempt_one(store: Store) -> None:
     task_id = await store.submit(failure(due_in_ms=100))
     task = await store.get(task_id)
