@@ -44,7 +44,7 @@ def test_batched_attempt_metrics_scrape_as_prometheus_counter_and_histogram_woul
     metrics = AttemptMetrics(batched, _DURATION_BUCKETS)
     metrics.add("a", attempts[:2])
     metrics.add("a", attempts[2:])
-    metrics.add("b", attempts)
+    metrics.add_many("b", [outcome for outcome, _ in attempts], [seconds for _, seconds in attempts])  # a lane's
     metrics.count("a", "LEASE_EXPIRED", 2)
 
     def samples(registry: CollectorRegistry) -> set[str]:

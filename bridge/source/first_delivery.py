@@ -296,11 +296,12 @@ class FirstDelivery:
 
     def count(self, queue_name: str, results: list[Ran]) -> None:
         """The attempt metrics of a batch of results (one lock, not one per record)."""
-        attempts = [(r.outcome, r.seconds) for r in results if r.outcome is not None]
-        if attempts:
-            self.telemetry.metrics.attempts.add(queue_name, attempts)
+        ran = [r for r in results if r.outcome is not None]
+        if ran:
+            outcomes = [r.outcome for r in ran if r.outcome is not None]
+            self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran])
             if self.hooks.first_attempts:
-                self.hooks.first_attempts(queue_name, [outcome for outcome, _ in attempts])
+                self.hooks.first_attempts(queue_name, outcomes)
 
     # ---- the tasks records become --------------------------------------------------------------------
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import itertools
 import random
 import threading
-from collections.abc import Iterator, Mapping
+from collections import Counter as Tally  # prometheus_client's Counter is the metric
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -136,18 +138,25 @@ class AttemptMetrics:
 
     def add(self, queue: str, attempts: list[tuple[Outcome, float]]) -> None:
         """Attempts that ran a handler: outcome and seconds each."""
-        slots = [bisect.bisect_left(self._bounds, seconds) for _, seconds in attempts]
-        total = sum(seconds for _, seconds in attempts)
+        self.add_many(queue, [outcome for outcome, _ in attempts], [seconds for _, seconds in attempts])
+
+    def add_many(self, queue: str, outcomes: Sequence[Outcome], seconds: Sequence[float]) -> None:
+        """A batch of attempts that ran a handler, their outcomes and seconds side by side. Tallied by C loops
+        (`Counter` over the outcomes and the buckets), not a Python loop a record: on a lane's batch of successes
+        a script timed it at under half."""
+        slots = Tally(map(functools.partial(bisect.bisect_left, self._bounds), seconds))
+        total = sum(seconds)
+        outcomes_seen = Tally(outcomes)
         with self._lock:
             buckets = self._buckets.get(queue)
             if buckets is None:
                 buckets = self._buckets[queue] = [0] * (len(self._bounds) + 1)
-            for slot in slots:
-                buckets[slot] += 1
+            for slot, n in slots.items():
+                buckets[slot] += n
             self._sums[queue] = self._sums.get(queue, 0.0) + total
-            for outcome, _ in attempts:
+            for outcome, n in outcomes_seen.items():
                 key = (queue, outcome.value)
-                self._counts[key] = self._counts.get(key, 0) + 1
+                self._counts[key] = self._counts.get(key, 0) + n
 
     def count(self, queue: str, outcome: str, n: int = 1) -> None:
         """Attempts ended without a handler's duration (a lapsed lease found by the sweep)."""
