@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -631,6 +632,28 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         await store.close()
 
 
+@contextlib.asynccontextmanager
+async def restorer_of(config: BridgeConfig, tmp_path: Path, topic: str, partitions: int) -> AsyncIterator[Any]:
+    """A fresh store with `topic` changelogged, its Restorer, and a restore consumer assigned to the changelog's
+    first `partitions` partitions (for tests that drive the restore's steps themselves)."""
+    from bridge.changelog.restore import Restorer
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+
+    changelog = config.changelog_topic(topic)
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    consumer = make_restore_consumer(config, "t")
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock())
+        consumer.assign([TopicPartition(changelog, p, 0) for p in range(partitions)])
+        yield store, local, restorer, consumer
+    finally:
+        consumer.close()
+        await store.close()
+
+
 async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decoded_first(
         kafka: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The restore reads and decodes the next batches while the store applies one. Here each batch takes less time
@@ -641,8 +664,6 @@ async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decode
     from bridge.changelog.decoder import Decoder
     from bridge.changelog.picking import pick_last
     from bridge.changelog.restore import Restorer, _Fetched, _Restoring
-    from bridge.clock import SystemClock
-    from bridge.kafka_clients import make_restore_consumer
 
     unique = uuid.uuid4().hex[:10]
     config = config_for(kafka, tmp_path, unique, partitions=1)
@@ -671,13 +692,7 @@ async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decode
         return fetched
 
     monkeypatch.setattr(Restorer, "_read_decoded", read_decoded)
-    store = await Store.open(tmp_path / "restored.db", scoped=True)
-    consumer = make_restore_consumer(config, "t")
-    try:
-        local = LocalIndex(store)
-        await local.set_changelogged([topic])
-        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock())
-        consumer.assign([TopicPartition(changelog, 0, 0)])
+    async with restorer_of(config, tmp_path, topic, 1) as (store, local, restorer, consumer):
         part = _Restoring((topic, 0), changelog, end=end, empty=False)
         await local.restore_begin(part.home)
         reports: list[Any] = []
@@ -694,9 +709,6 @@ async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decode
         assert await store.get(task_record(5, topic, 1)[0].decode()) is None
         count = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
         assert count == 29  # tasks 0-29 but the tombstoned one
-    finally:
-        consumer.close()
-        await store.close()
 
 
 async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_and_fail_apart(
@@ -706,9 +718,7 @@ async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_
     owner) and not the others of the commit."""
     from bench.bench_changelog import task_record
     from bridge.changelog.picking import pick_last
-    from bridge.changelog.restore import RestoreFailed, Restorer, _Fetched, _Restoring
-    from bridge.clock import SystemClock
-    from bridge.kafka_clients import make_restore_consumer
+    from bridge.changelog.restore import RestoreFailed, _Fetched, _Restoring
     from bridge.store.database import StoreError
 
     unique = uuid.uuid4().hex[:10]
@@ -716,13 +726,7 @@ async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_
     ensure_topics(config)
     topic = f"in-{unique}"
     changelog = config.changelog_topic(topic)
-    store = await Store.open(tmp_path / "restored.db", scoped=True)
-    consumer = make_restore_consumer(config, "t")
-    try:
-        local = LocalIndex(store)
-        await local.set_changelogged([topic])
-        restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock())
-        consumer.assign([TopicPartition(changelog, p, 0) for p in range(3)])
+    async with restorer_of(config, tmp_path, topic, 3) as (store, local, restorer, consumer):
         reading = {}
         fetched = _Fetched()
         for p in range(3):
@@ -748,9 +752,6 @@ async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_
         rows = await store.db.read(lambda c: c.execute(
             "SELECT home_partition, COUNT(*) FROM tasks GROUP BY 1 ORDER BY 1").fetchall())
         assert [tuple(row) for row in rows] == [(0, 10), (2, 10)]
-    finally:
-        consumer.close()
-        await store.close()
 
 
 async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kafka: Any, tmp_path: Path,
