@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -658,10 +659,10 @@ async def test_a_paused_or_held_queue_claims_nothing_behind_a_stored_failure(h: 
     assert (await h.wait_status(task.id, Status.SUCCEEDED)).attempt_count == 2
 
 
-async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twice_the_slots(
-        tmp_path: Path) -> None:
-    """A claim queued behind a first delivery's inserts counts its slots at once: counted only when its coroutine
-    first ran, the queue loop looking in between claimed the same slots again (4 claimed for concurrency 1)."""
+@contextlib.asynccontextmanager
+async def holding_engine(tmp_path: Path, concurrency: int) -> AsyncIterator[tuple[Engine, Store]]:
+    """An engine whose queue q runs a handler that holds every task it is given until the engine is let go (its
+    slots stay taken: what is claimed is what the test counts)."""
     registry = Registry()
     release = asyncio.Event()
 
@@ -669,17 +670,11 @@ async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twi
         await release.wait()
 
     registry.register("hold", hold)
-    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "hold", "concurrency": 1})
+    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "hold", "concurrency": concurrency})
     store = await Store.open(config.store.path)
     engine = Engine(store, LiveConfig(config), registry, instance_id="test-1")
     try:
-        assert await store.submit_many([failure(handler="hold", now=engine.clock.now_ms()) for _ in range(6)]) \
-            == [None] * 6
-        engine.scheduler.claim_behind("q", 6)
-        [behind] = engine.scheduler._claiming_behind
-        claimed = await engine.scheduler.run_once("q")  # the queue loop, before the claim behind has run
-        assert claimed + await behind <= 2
-        assert sum(1 for t in await store.list_tasks("q") if t.status == Status.IN_FLIGHT) == 2
+        yield engine, store
     finally:
         release.set()
         await engine.scheduler.drain(2.0)
@@ -687,21 +682,25 @@ async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twi
         await store.close()
 
 
+async def test_a_claim_behind_and_the_queue_loop_together_claim_no_more_than_twice_the_slots(
+        tmp_path: Path) -> None:
+    """A claim queued behind a first delivery's inserts counts its slots at once: counted only when its coroutine
+    first ran, the queue loop looking in between claimed the same slots again (4 claimed for concurrency 1)."""
+    async with holding_engine(tmp_path, concurrency=1) as (engine, store):
+        assert await store.submit_many([failure(handler="hold", now=engine.clock.now_ms()) for _ in range(6)]) \
+            == [None] * 6
+        engine.scheduler.claim_behind("q", 6)
+        [behind] = engine.scheduler._claiming_behind
+        claimed = await engine.scheduler.run_once("q")  # the queue loop, before the claim behind has run
+        assert claimed + await behind <= 2
+        assert sum(1 for t in await store.list_tasks("q") if t.status == Status.IN_FLIGHT) == 2
+
+
 async def test_a_claim_behind_in_flight_leaves_the_slots_for_the_next_first_deliverys_retries(tmp_path: Path) -> None:
     """Two first deliveries' zero-backoff failures queued one after the other, each with its claim behind it: both
     are claimed in the commit that stores them. The first claim reserved every free slot while it was in flight,
     so the second found none and its task waited for the queue loop (the tail of bench_kafka e2e)."""
-    registry = Registry()
-    release = asyncio.Event()
-
-    async def hold(ctx: HandlerContext) -> None:
-        await release.wait()
-
-    registry.register("hold", hold)
-    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "hold", "concurrency": 4})
-    store = await Store.open(config.store.path)
-    engine = Engine(store, LiveConfig(config), registry, instance_id="test-1")
-    try:
+    async with holding_engine(tmp_path, concurrency=4) as (engine, store):
         now = engine.clock.now_ms()
         first = asyncio.ensure_future(store.submit_many([failure(handler="hold", now=now)],
                                                         lambda: engine.scheduler.claim_behind("q", 1)))
@@ -713,8 +712,3 @@ async def test_a_claim_behind_in_flight_leaves_the_slots_for_the_next_first_deli
         assert len(claims) == 2  # the second claim was queued too
         assert await first == [None] and await second == [None]
         assert sorted(await asyncio.gather(*claims)) == [1, 1]  # each claimed its own task, in its commit
-    finally:
-        release.set()
-        await engine.scheduler.drain(2.0)
-        engine.close()
-        await store.close()
