@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from bridge.aio import Backoff
 from bridge.clock import Clock
@@ -298,7 +298,7 @@ class FirstDelivery:
         """The attempt metrics of a batch of results (one lock, not one per record)."""
         ran = [r for r in results if r.outcome is not None]
         if ran:
-            outcomes = [r.outcome for r in ran if r.outcome is not None]
+            outcomes = cast(list[Outcome], [r.outcome for r in ran])  # not None: filtered just above
             self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran])
             if self.hooks.first_attempts:
                 self.hooks.first_attempts(queue_name, outcomes)
