@@ -9,6 +9,7 @@ cache, i.e. a download); bench/faults.py and bench/nemesis.py, which CI runs as 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,18 @@ def test_every_bench_runs_at_a_tiny_size(kafka: KafkaEnv, row: str, tmp_path: Pa
     assert proc.returncode == 0, f"{row} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "(smoke run:" in proc.stdout, proc.stdout  # it reached its figures
     assert results.read_bytes() == before  # a smoke run records nothing
+
+
+def test_every_figure_of_the_readmes_bench_table_is_a_line_of_results() -> None:
+    """The README quotes bench/RESULTS.md; a figure of its table (a count with thousands separators, as 20,799)
+    that RESULTS.md does not hold was made up, or its row was lost from the file (once replaced whole by a fault
+    table instead of appended to)."""
+    readme = (ROOT / "README.md").read_text()
+    recorded = set(re.findall(r"\d+(?:\.\d+)?", (ROOT / "bench" / "RESULTS.md").read_text().replace(",", "")))
+    start = readme.index("| benchmark (command) |")
+    rows = readme[start : readme.index("\n\n", start)].splitlines()[2:]
+    quoted = [(figure, row.split("|")[1].strip()) for row in rows for cell in row.split("|")[2:4]
+              for figure in re.findall(r"(?<![\w.:-])(\d{1,3}(?:,\d{3})+)(?![\w:])", cell)]
+    assert len(quoted) > 50, "the README's bench table was not found whole"
+    missing = [(figure, row) for figure, row in quoted if figure.replace(",", "") not in recorded]
+    assert not missing, f"figures the README quotes that bench/RESULTS.md does not hold: {missing}"
