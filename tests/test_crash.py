@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from bridge.store.history import with_history_functions
+
 ROOT = Path(__file__).resolve().parent.parent
 OUTCOME_OF = {"PENDING": "RETRYABLE_FAILURE", "SUCCEEDED": "SUCCESS", "DEAD": "PERMANENT_FAILURE"}
 
@@ -63,7 +65,7 @@ def test_acknowledged_writes_survive_sigkill(tmp_path: Path) -> None:
 
 
 def check_store(db: Path, submitted: set[str], finished: dict[str, list[tuple[str, int]]]) -> None:
-    conn = sqlite3.connect(db)
+    conn = with_history_functions(sqlite3.connect(db))  # attempt_history reads packed histories through it
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     rows = {r[0]: r[1:] for r in conn.execute("SELECT id, status, attempt_count FROM tasks")}
     attempts: dict[str, list[tuple[int, str, int]]] = {}

@@ -7,6 +7,7 @@ SQLite file and then use the task the way the bridge does: run it again, log it,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sqlite3
@@ -15,7 +16,9 @@ from typing import Any
 
 from bridge.changelog.local import HomeState
 from bridge.model import ErrorInfo, Outcome, Status
-from bridge.store.queries import queries
+from bridge.store.history import with_history_functions
+from bridge.store.queries import migrations, queries
+from bridge.store.reader import StoreReader
 from bridge.store.tasks import Store
 from tests.helpers import T0, report
 from tests.test_changelog_store import HOME, on, scoped_store
@@ -136,7 +139,7 @@ async def test_no_query_reads_every_attempt_to_find_a_tasks(tmp_path: Path) -> N
     ALL view only where it compares with a parameter: a correlated or IN filter scanned both tables whole, which
     a test on a handful of rows never notices)."""
     await (await Store.open(tmp_path / "rdq.db")).close()
-    conn = sqlite3.connect(tmp_path / "rdq.db")
+    conn = with_history_functions(sqlite3.connect(tmp_path / "rdq.db"))  # as the bridge's connections are
     reading = re.compile(r"\b(FROM|JOIN)\s+(attempts|restored_attempts|restored_attempt_rows|attempt_history)\b")
     readers = {name: sql for name, sql in queries().items() if reading.search(sql)}
     assert {"get_attempts", "attempts_of_many", "attempts_json_of_many", "changelog_outbox_records",
@@ -146,3 +149,56 @@ async def test_no_query_reads_every_attempt_to_find_a_tasks(tmp_path: Path) -> N
                  if re.match(r"SCAN (attempts|restored_attempts|restored)\b", step) or "AUTOMATIC" in step]
         assert not whole, (name, whole)
     conn.close()
+
+
+async def test_a_restored_history_is_stored_packed_and_every_connection_reads_it_whole(tmp_path: Path) -> None:
+    """Packed on disk (migration 0015: writing the value was most of a restore's store time), read back whole by
+    the writer's connection, the scans' read-only one and `rdq store` (StoreReader), which each give SQLite the
+    function the view unpacks it with."""
+    stack = "Traceback (most recent call last):\n" + '  File "app.py", line 12, in handle\n' * 40
+    task_id, record, made = await _logged_with_history(tmp_path / "a", ["refused", "refused", "refused"])
+    for attempt in record["attempts"]:
+        attempt["error_stack"] = stack
+    made = [dataclasses.replace(a, error=dataclasses.replace(a.error, stack=stack)) if a.error else a
+            for a in made]
+    store, _ = await _restore(tmp_path / "b", {task_id: record})
+    try:
+        kind, size = await store.db.read(
+            lambda c: c.execute("SELECT typeof(attempts), length(attempts) FROM restored_attempts").fetchone())
+        assert kind == "blob" and size < len(json.dumps(record["attempts"])) / 5
+        restored = await store.get(task_id)
+        assert restored is not None and list(restored.attempts) == made
+        scanned = await store.db.scan(lambda c: c.execute(
+            "SELECT error_stack FROM attempt_history WHERE task_id = ? ORDER BY seq", (task_id,)).fetchall())
+        assert [row[0] for row in scanned] == [a.error.stack if a.error else None for a in made]
+    finally:
+        await store.close()
+    reader = StoreReader(tmp_path / "b" / "rdq.db")
+    try:
+        offline = reader.get(task_id)
+        assert offline is not None and list(offline.attempts) == made
+    finally:
+        reader.close()
+
+
+async def test_a_history_restored_as_text_before_version_15_reads_as_it_was(tmp_path: Path) -> None:
+    """A store restored by an earlier release holds its histories as JSON text under the views of version 13:
+    migrated to 15, each reads as it was, not rewritten."""
+    task_id, record, made = await _logged_with_history(tmp_path / "a", ["refused"])
+    store, _ = await _restore(tmp_path / "b", {task_id: record})
+    await store.close()
+    v13_views = re.findall(r"CREATE VIEW .*?;", migrations()[12][2], re.S)
+    conn = with_history_functions(sqlite3.connect(tmp_path / "b" / "rdq.db", isolation_level=None))
+    conn.executescript("BEGIN; UPDATE restored_attempts SET attempts = rdq_history(attempts);"
+                       "DROP VIEW attempt_history; DROP VIEW restored_attempt_rows;"
+                       f"{' '.join(v13_views)} PRAGMA user_version = 14; COMMIT;")
+    assert conn.execute("SELECT typeof(attempts) FROM restored_attempts").fetchone()[0] == "text"
+    conn.close()
+    store = await Store.open(tmp_path / "b" / "rdq.db", scoped=True)
+    try:
+        assert await _count(store, "PRAGMA user_version") == len(migrations())
+        assert await _count(store, "SELECT COUNT(*) FROM restored_attempts WHERE typeof(attempts) = 'text'") == 1
+        restored = await store.get(task_id)
+        assert restored is not None and list(restored.attempts) == made
+    finally:
+        await store.close()

@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson  # several times faster than json at both ends: restore speed is a partition's downtime
 
+from bridge.store.history import pack
+
 SCHEMA = "rdq.task/v1"
 SCHEMA_ORDERED = "rdq.task/v2"
 READABLE = frozenset({SCHEMA, SCHEMA_ORDERED})
@@ -40,7 +42,7 @@ _ATTEMPT_KEYS = frozenset(_ATTEMPT_FIELDS) - {"note"}  # records written before 
 _REDRIVE_KEYS = frozenset(_REDRIVE_FIELDS)
 _OUTCOMES = frozenset({"SUCCESS", "RETRYABLE_FAILURE", "PERMANENT_FAILURE", "LEASE_EXPIRED"})
 _ATTEMPT_INTS = ("seq", "attempt_no", "redrive_no", "started_at", "finished_at")  # NOT NULL in the attempts table
-_NUL = "\\u0000"  # how orjson writes a NUL character in a string
+_NUL = b"\\u0000"  # how orjson writes a NUL character in a string
 _INTS = {"attempt_count", "redrive_count", "lease_token", "created_at", "life_started_at"}
 
 
@@ -82,9 +84,10 @@ class Restored:
 
     task: dict[str, Any]
     attempts: list[dict[str, Any]]  # as the record holds them (one written before notes has none)
-    # The same as one JSON value: the store keeps a restored history so (restored_attempts). None where one holds a
-    # NUL character (SQLite 3.40's JSON functions cut a string short at one): then restored as rows, with task_id.
-    history: str | None
+    # The same as one JSON value, packed (bridge/store/history.py): the store keeps a restored history so
+    # (restored_attempts). None where one holds a NUL character (SQLite 3.40's JSON functions cut a string short
+    # at one): then restored as rows, with task_id.
+    history: bytes | None
     redrives: list[dict[str, Any]]
     version: int
 
@@ -119,13 +122,13 @@ def decode(key: bytes | None, value: bytes) -> Restored:
             if not entry.keys() >= _REDRIVE_KEYS:
                 raise Unreadable(f"a redrive lacks {sorted(_REDRIVE_KEYS - entry.keys())}")
             entry["task_id"] = task["id"]
-        history = orjson.dumps(attempts).decode()
+        history = orjson.dumps(attempts)
         if _NUL in history:  # SQLite's JSON functions end a string at a NUL: this history is restored as rows
             for entry in attempts:
                 entry["task_id"] = task["id"]
                 entry.setdefault("note", None)
             return Restored(task, attempts, None, redrives, version)
-        return Restored(task, attempts, history, redrives, version)
+        return Restored(task, attempts, pack(history), redrives, version)
     except Unreadable:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as e:  # json, base64, int(), fields

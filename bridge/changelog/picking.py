@@ -35,7 +35,7 @@ class Row(NamedTuple):
     task: tuple[Any, ...]
     version: int
     source_ref: str | None
-    history: str | None
+    history: bytes | None  # packed (bridge/store/history.py)
     attempts: tuple[tuple[Any, ...], ...]
     redrives: tuple[tuple[Any, ...], ...]
 

@@ -25,6 +25,7 @@ import aiosqlite
 
 from bridge.model import NewTask
 from bridge.store.bulk import ATTEMPT_WIDTH, TASK_WIDTH, attempt_row, insert_rows, task_row
+from bridge.store.history import with_history_functions
 from bridge.store.queries import migrations, q
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class Database:
         try:
             store._reader = await aiosqlite.connect(f"file:{path.resolve()}?mode=ro", uri=True, timeout=busy_timeout)
             store._reader.row_factory = sqlite3.Row
+            await store._reader._execute(with_history_functions, store._reader._conn)  # type: ignore[no-untyped-call]
         except sqlite3.Error as e:
             await db.close()
             raise StoreError(f"{path}: cannot open a reader: {e}") from e
@@ -142,6 +144,7 @@ class Database:
         conn.execute(f"PRAGMA synchronous={synchronous}")
         conn.execute(f"PRAGMA busy_timeout={ms(busy_timeout)}")
         conn.execute("PRAGMA temp_store=MEMORY")
+        with_history_functions(conn)
         self._migrate(conn)
 
     def _migrate(self, conn: sqlite3.Connection) -> None:

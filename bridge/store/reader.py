@@ -8,6 +8,7 @@ from typing import Any
 
 from bridge.model import Task
 from bridge.store.database import StoreError
+from bridge.store.history import with_history_functions
 from bridge.store.reads import read_counts, read_list, read_redrives, read_task
 
 
@@ -17,7 +18,7 @@ class StoreReader:
         if not path.exists():
             raise StoreError(f"{path}: no such store file")
         # Read-only: safe beside a running bridge (WAL lets readers and the writer proceed together).
-        self.conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        self.conn = with_history_functions(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5))
         self.conn.row_factory = sqlite3.Row
 
     def counts(self) -> dict[str, dict[str, int]]:
