@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -103,16 +104,29 @@ def in_a_child(fn: Callable[..., Any], *args: Any) -> Any:
         return pool.submit(fn, *args).result()
 
 
-async def peak_rss() -> tuple[float, float]:
-    """Sampled until cancelled: the peak RSS of this process, and of its children (the decoding process)."""
+async def peak_rss(children_cpu: dict[str, float]) -> tuple[float, float]:
+    """Sampled until cancelled: the peak RSS of this process, and of its children (the decoding process); the
+    children's CPU seconds as last seen, by pid, into `children_cpu` (a child's last 0.2 s may be missed)."""
     own = children = 0.0
     try:
         while True:
             own = max(own, rss_mib())
-            children = max(children, sum(rss_mib(pid) for pid in _children()))
+            pids = _children()
+            children = max(children, sum(rss_mib(pid) for pid in pids))
+            for pid in pids:
+                children_cpu[pid] = max(children_cpu.get(pid, 0.0), _cpu_seconds(pid))
             await asyncio.sleep(0.2)
     except asyncio.CancelledError:
         return own, children
+
+
+def _cpu_seconds(pid: str) -> float:
+    """User + system CPU of a process so far (/proc/PID/stat, fields 14 and 15, in clock ticks)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children() -> list[str]:
@@ -162,15 +176,18 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
             reports.append(report)
 
         reports: list[Any] = []
-        peak = asyncio.ensure_future(peak_rss())
+        children_cpu: dict[str, float] = {}
+        peak = asyncio.ensure_future(peak_rss(children_cpu))
+        cpu_before = os.times()
         failed = await restorer.restore_many([(topic, p) for p in range(partitions)], lambda _: True, restored)
         spent, in_process = dict(restorer.seconds), restorer.decoded_in_process
-        elapsed, rss = time.perf_counter() - began, rss_mib()
+        elapsed, rss, cpu_after = time.perf_counter() - began, rss_mib(), os.times()
         peak.cancel()
         own, children = await peak
         tasks = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
         rows = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM attempt_history").fetchone()[0])
         await store.close()
+    own_cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     restored_tasks = sum(r.tasks for r in reports)
     assert not failed and tasks == n and rows == n * attempts and restored_tasks == n, (failed, tasks, rows)
     where = "one partition's" if partitions == 1 else f"{partitions} partitions'"
@@ -188,6 +205,10 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         f"one): read {spent['fetch']:.2f} s, decode {spent['decode']:.2f} s "
         f"({f'{in_process} batches in a process of its own' if in_process else 'on the restore thread'}), store apply "
         f"{spent['apply']:.2f} s, waiting for a batch the apply did not hide {spent['waited']:.2f} s",
+        # On a machine whose cores are all busy the rate is the CPU a task costs: this compares across runs whose
+        # contention differs.
+        f"CPU a task: the restoring process {own_cpu / n * 1e6:.1f} us, the decoding process "
+        f"{sum(children_cpu.values()) / n * 1e6:.1f} us ({os.cpu_count()} cores)",
     ])
 
 
