@@ -186,7 +186,9 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         own, children = await peak
         tasks = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM tasks").fetchone()[0])
         rows = await store.db.read(lambda c: c.execute("SELECT COUNT(*) FROM attempt_history").fetchone()[0])
-        await store.close()
+        await store.close()  # the last connection: its WAL checkpointed into the file and removed
+        db = Path(config.store.path)
+        on_disk = sum(path.stat().st_size for path in db.parent.glob(db.name + "*"))
     own_cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
     restored_tasks = sum(r.tasks for r in reports)
     assert not failed and tasks == n and rows == n * attempts and restored_tasks == n, (failed, tasks, rows)
@@ -201,6 +203,7 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
         + (f" (the last; the first ready after {min(ready.values()):.2f} s)" if partitions > 1 else ""),
         f"RSS of the restoring process: {before:.1f} MiB before, peak {own:.1f} MiB, at the end {rss:.1f} MiB; "
         f"the decoding process's peak {children:.1f} MiB",
+        f"the store file after the restore: {on_disk / 2**20:.1f} MiB, {on_disk / n:.0f} bytes a task",
         "where the restore's time went (pipelined: the next two batches read and decoded while the store applies this "
         f"one): read {spent['fetch']:.2f} s, decode {spent['decode']:.2f} s "
         f"({f'{in_process} batches in a process of its own' if in_process else 'on the restore thread'}), store apply "
