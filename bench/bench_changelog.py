@@ -3,10 +3,12 @@ failure path.
 
     python -m bench.bench_changelog restore [--n 100000] [--partitions 1]   # tasks with 5 attempts each
     python -m bench.bench_changelog restore --n 1000000 --partitions 12    # all restored at once, one store
+    python -m bench.bench_changelog apply [--n 300000]     # the store's apply alone (no Kafka), 12 partitions
     python -m bench.bench_changelog overhead [--n 20000]   # bench_kafka's failure path, changelog off vs on
     python -m bench.bench_changelog ready [--n 5]          # a restart's time to ready: 24 partitions, n tasks each
 
-Each appends its figures to bench/RESULTS.md. Uses KAFKA_BOOTSTRAP_SERVERS, else starts the local broker.
+Each appends its figures to bench/RESULTS.md. Uses KAFKA_BOOTSTRAP_SERVERS, else starts the local broker (not
+`apply`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.bench_kafka import PAYLOAD, bench_config, broker, produce, regrouped, run_bridge_until
 from bench.common import NO_BREAKER, NO_BREAKER_NOTE, record, rss_mib
-from bridge.changelog.codec import encode
+from bridge.changelog.codec import decode, encode
 from bridge.changelog.local import HomeState, LocalIndex
+from bridge.changelog.picking import pick_last
 from bridge.changelog.restore import Restorer
 from bridge.config import BridgeConfig
 from bridge.handler_api import HandlerContext
@@ -215,6 +218,39 @@ async def bench_restore(bootstrap: str, n: int, attempts: int = 5, partitions: i
     ])
 
 
+async def bench_apply(n: int, partitions: int = 12, attempts: int = 5) -> None:
+    """The restore's apply alone, no Kafka and no other work beside it: batches of 1,000 records a partition, decoded
+    first (`pick_last`, not timed), applied as the restorer applies a fetch (its partitions' batches in one group
+    commit). What the store's thread costs a task, apart from the contention of a whole restore."""
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        store = await Store.open(Path(tmp) / "rdq.db", scoped=True)
+        local = LocalIndex(store)
+        await local.set_changelogged(["t"])
+        for p in range(partitions):
+            await local.restore_begin(("t", p))
+        per, wall, cpu = n // partitions, 0.0, 0.0
+        sample = [task_record(i, "t", attempts)[1] for i in range(100)]
+        for start in range(0, per, 1000):
+            picked = [pick_last([(i, *task_record(p * per + i, "t", attempts, partition=p))
+                                 for i in range(start, min(start + 1000, per))]) for p in range(partitions)]
+            began, times = time.perf_counter(), os.times()
+            await asyncio.gather(*(local.restore_batch(("t", p), "cl", batch, 0, []) for p, batch in enumerate(picked)))
+            after = os.times()
+            wall += time.perf_counter() - began
+            cpu += (after.user - times.user) + (after.system - times.system)
+        await store.close()
+    text = statistics.mean(len(json.dumps(json.loads(value)["attempts"], separators=(",", ":"))) for value in sample)
+    stored = statistics.mean(len(h.encode() if isinstance(h, str) else h)
+                             for value in sample for h in [decode(None, value).history] if h is not None)
+    tasks = per * partitions
+    record("changelog restore: the store's apply alone, no Kafka", [
+        f"tasks: {tasks} over {partitions} partitions, {attempts} attempts each; batches of 1,000 a partition",
+        f"apply: {tasks / wall:9.0f} tasks/s, {wall / tasks * 1e6:.1f} us a task; "
+        f"CPU {cpu / tasks * 1e6:.1f} us a task",
+        f"a history: {text:.0f} bytes as JSON text, {stored:.0f} bytes as the store keeps it",
+    ])
+
+
 async def failure_run(config: BridgeConfig, n: int) -> tuple[float, Bridge]:
     registry = Registry()
 
@@ -320,10 +356,14 @@ async def bench_ready(bootstrap: str, per_partition: int, runs: int = 3) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["restore", "overhead", "ready", "all"])
+    parser.add_argument("which", choices=["restore", "apply", "overhead", "ready", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--partitions", type=int, default=1, help="restore: the tasks spread over this many")
     args = parser.parse_args()
+    if args.which in ("apply", "all"):  # no broker needed
+        asyncio.run(bench_apply(args.n or 300_000))
+    if args.which == "apply":
+        return
     with broker() as bootstrap:
         if args.which == "restore":
             asyncio.run(bench_restore(bootstrap, args.n or 100_000, partitions=args.partitions))
