@@ -318,9 +318,13 @@ def test_decode_refuses_what_it_cannot_read() -> None:
         "lease_token": 0, "next_attempt_at": 1, "created_at": 1, "life_started_at": 1, "headers": {"rdq.source": "kafka://t/0/1"},
         "payload": base64.b64encode(b"x").decode()}}
     assert decode(b"T1", json.dumps(good).encode()).task["source_ref"] == "kafka://t/0/1@"
+    assert decode(b"T1", json.dumps(good).encode()).task["payload"] == b"x"
     newer = {**good, "schema": "rdq.task/v3"}
+    # Payloads that are not strict base64: another alphabet, no padding, data after it, a space, not ASCII.
+    payloads = ("!!", "eA", "eA==eA==", "e A==", "eA\n==", "é")
     for value, key in ((b"\xff\x00", b"T1"), (json.dumps(newer).encode(), b"T1"), (json.dumps(good).encode(), b"T2"),
-                       (json.dumps({**good, "task": {**good["task"], "payload": "!!"}}).encode(), b"T1"),
+                       *((json.dumps({**good, "task": {**good["task"], "payload": p}}).encode(), b"T1")
+                         for p in payloads),
                        (b"[1, 2]", b"T1")):
         with pytest.raises(Unreadable):
             decode(key, value)
