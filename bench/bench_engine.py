@@ -29,6 +29,7 @@ from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.registry import Registry
 from bridge.store.bulk import insert_rows
+from bridge.store.history import with_history_functions
 from bridge.store.queries import q
 from bridge.store.results import RunReport
 from bridge.store.tasks import Store
@@ -52,8 +53,9 @@ def new_failures(n: int, now: int, due_in_ms: int = 0) -> list[NewTask]:
 
 
 def plain_inserts(path: Path, tasks: list[NewTask], batch: int) -> float:
-    """Baseline: the same rows, executemany in transactions of `batch`, same WAL + synchronous=FULL."""
-    conn = sqlite3.connect(path, isolation_level=None)
+    """Baseline: the same rows, executemany in transactions of `batch`, same WAL + synchronous=FULL; a connection
+    opened as the bridge opens its own (the queries read the attempts' views, which need `rdq_history`)."""
+    conn = with_history_functions(sqlite3.connect(path, isolation_level=None))
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
     began = time.perf_counter()
@@ -162,7 +164,7 @@ async def through_scheduler(path: Path, n: int, now: int) -> float:
 
 def fill(path: Path, total: int, due: int, now: int) -> None:
     """Bulk-load `total` tasks: `due` due now, the rest finished or due far in the future."""
-    conn = sqlite3.connect(path, isolation_level=None)
+    conn = with_history_functions(sqlite3.connect(path, isolation_level=None))
     conn.execute("PRAGMA synchronous=OFF")
     headers = json.dumps({"rdq.source": "kafka://orders/0/1", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
     chunk = 50_000
@@ -239,7 +241,7 @@ def _bind_rounds(path: Path, rows: list[tuple[Any, ...]], on: bool, saved: dict[
     """CPU microseconds a row, this thread's (the binding is CPU under the GIL): the restore's insert of the rows,
     rolled back (the same file, nothing kept)."""
     _adapters(on, saved)
-    conn = sqlite3.connect(path, isolation_level=None)
+    conn = with_history_functions(sqlite3.connect(path, isolation_level=None))
     try:
         conn.execute("BEGIN")
         began = time.thread_time()
