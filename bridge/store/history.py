@@ -2,13 +2,13 @@
 0015).
 
 A restore writes a task's whole history as one value (`restored_attempts`), and writing those bytes was most of the
-store's time in a restore: each KB of a row cost ~6.5 us of the store's thread, most of it the kernel copying WAL
-frames and the checkpoint's copy after them (a py-spy profile: pwrite 59 %); a history is ~1.8 KB with five short
-stack traces, several KB with real ones, and its attempts repeat their keys and mostly their stack. The decoding
-process packs it (LZ4: ~1 us for 1.8 KB -> 0.4 KB; zlib's fastest level took 9-69 us, more than it saved the
-store); the store reads it back as the JSON text it was through the SQL function `rdq_history`, which the view
-`restored_attempt_rows` calls and every connection the bridge opens registers (`with_history_functions`). A value
-written before (TEXT) reads as it is.
+store's time in a restore: a row of 1,756 bytes cost the store's thread 13.8 us, one of 400 bytes 3.8 us, most of
+it the kernel copying WAL frames and the checkpoint's copy after them (a py-spy profile: pwrite 59 %; RESULTS.md,
+"diagnostic"); a history is ~1.8 KB with five short stack traces, several KB with real ones, and its attempts repeat
+their keys and mostly their stack. The decode packs it (LZ4: ~1 us for 1.8 KB -> 0.4 KB; zlib's fastest level took
+9-69 us, more than it saved the store); the store reads it back as the JSON text it was through the SQL function
+`rdq_history`, which the view `restored_attempt_rows` calls and every connection the bridge opens registers
+(`with_history_functions`). A value written before (TEXT) reads as it is.
 """
 
 from __future__ import annotations
