@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -486,6 +487,11 @@ def nemesis(bootstrap: str, tmp: Path, seconds: float) -> Row:
         verdict = nemesis_run(bootstrap, where, seed, seconds)
         produced, successes, dead = produced + verdict.produced, successes + verdict.successes, dead + verdict.dead
         problems += [f"seed {seed}: {v}" for v in verdict.violations]
+        if verdict.violations:  # the bridges' logs and stores, to read afterwards (the run's folder goes)
+            kept = Path(".rdq") / f"faults-nemesis-{seed}"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(where, kept)
+            print(f"seed {seed}: its logs and stores are kept in {kept}", flush=True)
     note = f"seeds {', '.join(map(str, seeds))} (replay: FAULTS_SEED=N make faults FAULTS_ARGS='--only nemesis')"
     if problems:
         note = f"ERROR {'; '.join(problems)} — {note}"
