@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import random
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -475,7 +474,7 @@ def old_store(bootstrap: str, tmp: Path) -> Row:
 def nemesis(bootstrap: str, tmp: Path, seconds: float) -> Row:
     """The randomized whole-system run (bench/nemesis.py) on this suite's broker: seeds FAULTS_SEED (or 13) and the
     next, `seconds` of faults each; every invariant of its checker must hold on each."""
-    from bench.nemesis import nemesis_run
+    from bench.nemesis import keep_for_reading, nemesis_run
 
     first = int(os.environ.get("FAULTS_SEED", "13"))
     seeds = [first, first + 1]
@@ -487,11 +486,8 @@ def nemesis(bootstrap: str, tmp: Path, seconds: float) -> Row:
         verdict = nemesis_run(bootstrap, where, seed, seconds)
         produced, successes, dead = produced + verdict.produced, successes + verdict.successes, dead + verdict.dead
         problems += [f"seed {seed}: {v}" for v in verdict.violations]
-        if verdict.violations:  # the bridges' logs and stores, to read afterwards (the run's folder goes)
-            kept = Path(".rdq") / f"faults-nemesis-{seed}"
-            shutil.rmtree(kept, ignore_errors=True)
-            shutil.copytree(where, kept)
-            print(f"seed {seed}: its logs and stores are kept in {kept}", flush=True)
+        if verdict.violations:
+            keep_for_reading(where, f"faults-nemesis-{seed}", seed)
     note = f"seeds {', '.join(map(str, seeds))} (replay: FAULTS_SEED=N make faults FAULTS_ARGS='--only nemesis')"
     if problems:
         note = f"ERROR {'; '.join(problems)} — {note}"

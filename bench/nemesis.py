@@ -620,6 +620,15 @@ def _topic(run: Run, name: str) -> None:
         future.result(30)
 
 
+def keep_for_reading(run_dir: Path, name: str, seed: int) -> None:
+    """A seed that broke an invariant: its bridges' logs and stores copied to .rdq/NAME, to read afterwards (its
+    run's temporary folder goes)."""
+    kept = Path(".rdq") / name
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(run_dir, kept)
+    print(f"seed {seed}: its logs and stores are kept in {kept}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=int(os.environ.get("FAULTS_SEED", "0")) or None)
@@ -638,11 +647,8 @@ def main() -> int:
             verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds, args.static)
             print(f"seed {seed + n}: {verdict}", flush=True)
             failed += bool(verdict.violations)
-            if verdict.violations:  # the bridges' logs and stores, to read afterwards
-                kept = Path(".rdq") / f"nemesis-{seed + n}"
-                shutil.rmtree(kept, ignore_errors=True)
-                shutil.copytree(tmp, kept)
-                print(f"seed {seed + n}: its logs and stores are kept in {kept}", flush=True)
+            if verdict.violations:
+                keep_for_reading(tmp, f"nemesis-{seed + n}", seed + n)
             lines.append(f"seed {seed + n}, {args.seconds:g} s of faults, {args.static} static members "
                          f"({time.monotonic() - began:.0f} s in all): "
                          f"{verdict.produced} records, {verdict.successes} succeeded, {verdict.dead} in a DLQ; "
