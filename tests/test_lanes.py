@@ -38,14 +38,16 @@ class Rig:
         self.store: Store | None = None
         self.threads: HandlerThreads | None = None
 
-    async def lane(self, handler: Callable[..., Any], limit: int = 16, **queue: Any) -> Lane:
+    async def lane(self, handler: Callable[..., Any], limit: int = 16,
+                   on_failure: Callable[[Lane, Ran], None] | None = None, **queue: Any) -> Lane:
         self.registry.register("h", handler)
         config = engine_config(str(self.tmp_path / "rdq.db"), q={"handler": "h", **queue})
         self.store = await Store.open(config.store.path)
         self.threads = HandlerThreads(lambda q: 8 + limit)
         self.delivery = FirstDelivery(self.store, LiveConfig(config), self.registry, SystemClock(), self.threads,
                                       "test-1")
-        return Lane(("t", 0), "q", self.delivery, self.threads, limit, self._collect, lambda offset: False)
+        return Lane(("t", 0), "q", self.delivery, self.threads, limit, self._collect, lambda offset: False,
+                    on_failure)
 
     def _collect(self, lane: Lane, results: list[Ran]) -> None:
         self.results.extend(results)
@@ -137,6 +139,59 @@ async def test_a_hung_record_is_abandoned_after_its_lease_and_the_records_behind
     assert rig.threads is not None and rig.threads.stuck() == {"q": 1}
     await asyncio.sleep(0.2)
     assert len(rig.results) == 5
+
+
+async def test_a_hung_records_late_failure_is_neither_reported_nor_counted_again(rig: Rig) -> None:
+    """The watchdog reported the abandoned record (and the failure hook counted its open task): when its handler
+    finally raises, the runner drops what it returns, and the records behind it ran on another runner."""
+    release = threading.Event()
+    failures: list[int] = []
+
+    def hangs_then_fails(ctx: HandlerContext) -> None:
+        if ctx.source.endswith("/0"):
+            release.wait(30)
+            raise ConnectionError("down, at last")
+
+    lane = await rig.lane(hangs_then_fails, limit=1, lease="300ms",
+                          on_failure=lambda lane, ran: failures.append(ran.record.offset))
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            lane.watch(time.monotonic())
+
+    dog = asyncio.create_task(watchdog())
+    try:
+        lane.add(records(5))
+        assert await eventually(lambda: len(rig.results) == 5, within=10)
+    finally:
+        dog.cancel()
+        release.set()
+    await asyncio.sleep(0.3)
+    assert sorted(r.record.offset for r in rig.results) == [0, 1, 2, 3, 4]
+    assert failures == [0]
+    hung = next(r for r in rig.results if r.record.offset == 0).task
+    assert hung is not None and hung.first_attempt is not None
+    assert hung.first_attempt.outcome == Outcome.LEASE_EXPIRED
+
+
+async def test_a_failure_can_hold_the_lane_before_the_runner_takes_its_next_record(rig: Rig) -> None:
+    """max_open_tasks: the consumer counts a failure as it happens and may hold the lane at once; the runner that
+    reported it must take nothing more, or a burst would run past the limit."""
+    ran: list[int] = []
+
+    def fails(ctx: HandlerContext) -> None:
+        ran.append(int(ctx.source.rsplit("/", 1)[1]))
+        raise ConnectionError("down")
+
+    def hold(lane: Lane, result: Ran) -> None:
+        lane.held = True
+
+    lane = await rig.lane(fails, limit=1, on_failure=hold)
+    lane.add(records(10))
+    assert await eventually(lambda: len(rig.results) == 1)
+    await asyncio.sleep(0.3)
+    assert ran == [0] and len(rig.results) == 1 and lane.backlog == 9
 
 
 async def test_the_failures_of_a_batch_are_stored_in_a_few_group_commits(rig: Rig) -> None:

@@ -1,11 +1,14 @@
 """One state per assigned partition (source/partitions.py): its phase moves only forward, an illegal move is
 refused loudly, and a later assignment of the same partition is a different object that an earlier one's
-clean-up cannot touch."""
+clean-up cannot touch. Its offset tracker (source/offsets.py) commits only past records that are done."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from bridge.source.offsets import PartitionTracker
 from bridge.source.partitions import IllegalMove, Partitions, PartitionState, Phase
 
 TP = ("in", 0)
@@ -74,3 +77,35 @@ def test_a_reader_iterating_the_partitions_is_not_disturbed_by_a_change() -> Non
     assert partitions.tps() == {("in", 0), ("in", 1), ("in", 9)}
     states[0].move(Phase.RESTORING)
     assert partitions.tps(Phase.RESTORING) == {("in", 0)}
+
+
+class _OneAtATime:
+    """The commit rule record by record (what the tracker's batch calls must agree with)."""
+
+    def __init__(self) -> None:
+        self.pending: set[int] = set()
+        self.highest: int | None = None
+
+    def commit_offset(self) -> int | None:
+        if self.pending:
+            return min(self.pending)
+        return None if self.highest is None else self.highest + 1
+
+
+@given(st.data())
+def test_a_polls_offsets_tracked_together_commit_as_one_by_one_would(data: st.DataObject) -> None:
+    """The poll loop hands a partition's offsets to its tracker a poll at a time (`fetched_many`) and a lane's
+    finished records a batch at a time (`done_many`): the commit never passes a record not done, as the
+    record-by-record model says (polls in any order: a rebalance may fetch an earlier offset again)."""
+    tracker, model = PartitionTracker(), _OneAtATime()
+    for _ in range(data.draw(st.integers(1, 20))):
+        fetched = data.draw(st.lists(st.integers(0, 60), max_size=12))
+        tracker.fetched_many(fetched)
+        model.pending.update(fetched)
+        if fetched:
+            model.highest = max(fetched if model.highest is None else [*fetched, model.highest])
+        done = data.draw(st.lists(st.sampled_from(sorted(model.pending)), unique=True)) if model.pending else []
+        tracker.done_many(done)
+        model.pending.difference_update(done)
+        assert tracker.commit_offset() == model.commit_offset()
+        assert tracker.pending == len(model.pending)

@@ -158,7 +158,9 @@ class SourceConsumer:
         next_flush = 0.0
         while not stop.is_set():
             messages = await self.thread.call(self._poll)
-            records = [SourceRecord.from_message(m) for m in messages if self._usable(m)]
+            records = [SourceRecord.from_message(m) for m in messages if m.error() is None]
+            if len(records) != len(messages):
+                self._log_errors(messages)
             if records:
                 self._size_polls(records)
                 await self._accept(records)
@@ -186,24 +188,26 @@ class SourceConsumer:
         fits = int(budget / 4 / max(average, 1.0))
         self._poll_size = max(1, min(_BATCH, fits, self._poll_size * 4))
 
-    def _usable(self, msg: Any) -> bool:
-        error = msg.error()
-        if error is None:
-            return True
-        if error.code() != KafkaError._PARTITION_EOF:
-            log.warning("consumer error: %s", error)
-        return False
+    @staticmethod
+    def _log_errors(messages: list[Any]) -> None:
+        """A poll's error events (not records): logged, except the end of a partition."""
+        for msg in messages:
+            error = msg.error()
+            if error is not None and error.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error: %s", error)
 
     async def _accept(self, records: list[SourceRecord]) -> None:
-        by_partition: dict[PartitionState, list[SourceRecord]] = {}
+        by_tp: dict[TP, list[SourceRecord]] = {}
         for record in records:
-            state = self.partitions.get((record.topic, record.partition))
-            if state is None:
-                continue  # fetched before its partition was revoked: uncommitted, its next owner gets it
-            by_partition.setdefault(state, []).append(record)
+            tp = (record.topic, record.partition)
+            batch = by_tp.get(tp)
+            if batch is None:
+                batch = by_tp[tp] = []
+            batch.append(record)
+        # A record fetched before its partition was revoked is left out: uncommitted, its next owner gets it.
+        by_partition = {state: batch for tp, batch in by_tp.items() if (state := self.partitions.get(tp)) is not None}
         for state, batch in by_partition.items():
-            for record in batch:
-                state.tracker.fetched(record.offset)
+            state.tracker.fetched_many([record.offset for record in batch])
         self._records += len(records)
         # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
         # The journal write is not awaited here: the next poll overlaps it (it joins the failures' group commit),
@@ -254,13 +258,12 @@ class SourceConsumer:
         current = state if state is not None and state.lane is lane else None
         self.delivery.telemetry.metrics.records_seen(lane.queue_name, len(results))
         self.delivery.count(lane.queue_name, results)
-        failures = []
-        for ran in results:
-            if ran.task is None:
-                if current is not None:
-                    current.tracker.done(ran.record.offset)
+        failures = [ran for ran in results if ran.task is not None]
+        if current is not None:
+            if failures:
+                current.tracker.done_many([ran.record.offset for ran in results if ran.task is None])
             else:
-                failures.append(ran)
+                current.tracker.done_many([ran.record.offset for ran in results])
         if failures:
             storing = current.storing if current is not None else self._orphans
             task = asyncio.create_task(self._store_failures(lane, current, failures), name="rdq-store-failures")

@@ -219,14 +219,18 @@ class Lane:
 
     def _next(self, runner: Runner) -> SourceRecord | None:
         with self._lock:
-            if runner.abandoned or self.held or not self.ready:
-                self._runners.discard(runner)
-                return None
-            if self.ordered:
-                return self._next_in_order(runner)
-            record = self.ready.popleft()
-            self.ready_bytes -= len(record.value)
-            return record
+            return self._take_next(runner)
+
+    def _take_next(self, runner: Runner) -> SourceRecord | None:
+        """(Under the lock.) The runner's next record; None: it is done (let go, held, nothing ready)."""
+        if runner.abandoned or self.held or not self.ready:
+            self._runners.discard(runner)
+            return None
+        if self.ordered:
+            return self._next_in_order(runner)
+        record = self.ready.popleft()
+        self.ready_bytes -= len(record.value)
+        return record
 
     def _next_in_order(self, runner: Runner) -> SourceRecord | None:
         """(Under the lock.) The first ready record whose key is not running (`runner.park`: its key is blocked)."""
@@ -281,14 +285,23 @@ class Lane:
         if ran.task is not None and self._on_failure is not None:
             self._on_failure(self, ran)
         with self._lock:
-            self._results.append(ran)
-            back = self.ordered and self._keys.ended(ran, self.ready)
-            wake = not self._wake_pending
-            self._wake_pending = True
-            spawn = 0
-            if slow and self.ready and not self.held and not self._starting and not self._load.busy:
-                spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
-                self._starting += spawn
+            wake, spawn, back = self._add_result(ran, slow)
+        self._after_result(wake, spawn, back)
+
+    def _add_result(self, ran: Ran, slow: bool) -> tuple[bool, int, bool]:
+        """(Under the lock.) Queue a result for the loop: (wake the loop, runners to start, a key's record ready
+        again)."""
+        self._results.append(ran)
+        back = self.ordered and self._keys.ended(ran, self.ready)
+        wake = not self._wake_pending
+        self._wake_pending = True
+        spawn = 0
+        if slow and self.ready and not self.held and not self._starting and not self._load.busy:
+            spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
+            self._starting += spawn
+        return wake, spawn, back
+
+    def _after_result(self, wake: bool, spawn: int, back: bool) -> None:
         if wake:
             self._call_soon(self._take_results)
         if spawn:
@@ -296,29 +309,54 @@ class Lane:
         elif back:
             self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
+    def _report_and_next(self, runner: Runner, ran: Ran, slow: bool) -> SourceRecord | None:
+        """A sync runner's record ended: report it and take the next one, under one lock (a fast handler's record
+        costs one lock, not three). None: nothing more for this runner — or the watchdog abandoned the record
+        and reported it already (this thread was counted stuck)."""
+        if ran.task is not None:
+            with self._lock:
+                if runner.abandoned and runner not in self._runners:
+                    return None
+                runner.current = None
+            if self._on_failure is not None:
+                self._on_failure(self, ran)  # may hold the lane (max_open_tasks) before the next record is taken
+        with self._lock:
+            if runner.current is not None:
+                if runner.abandoned and runner not in self._runners:
+                    return None
+                runner.current = None
+            if slow or self.ordered:
+                wake, spawn, back = self._add_result(ran, slow)
+            else:  # a fast record of an unordered lane, inline: the common case
+                self._results.append(ran)
+                wake, spawn, back = not self._wake_pending, 0, False
+                self._wake_pending = True
+            record = self._take_next(runner)
+        if wake or spawn or back:
+            self._after_result(wake, spawn, back)
+        return record
+
     def _drain_sync(self, runner: Runner) -> None:
         """A sync runner, on a handler thread: the ready records one after another."""
         with self._lock:
             self._starting -= 1
+        delivery, queue_name, is_suspect = self.delivery, self.queue_name, self._is_suspect
         streak = 0
         try:
-            while (record := self._next(runner)) is not None:
+            record = self._next(runner)
+            while record is not None:
                 if runner.park:
-                    self._report(self._park(record))
+                    record = self._report_and_next(runner, self._park(record), False)
                     continue
-                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                prepared = delivery.prepare(record, queue_name, is_suspect(record.offset))
                 if not isinstance(prepared, Begun):
-                    self._report(Ran(record, self.queue_name, prepared))
+                    record = self._report_and_next(runner, Ran(record, queue_name, prepared), False)
                     continue
                 runner.current = prepared
                 cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
-                ran = self.delivery.run_sync(prepared)
-                with self._lock:
-                    if runner.abandoned and runner not in self._runners:
-                        return  # the watchdog reported this record; this thread was counted stuck
-                    runner.current = None
-                streak = self._slow_streak(streak, time.monotonic() - prepared.began, cpu)
-                self._report(ran, streak >= _SLOW_STREAK)
+                ran = delivery.run_sync(prepared)
+                streak = self._slow_streak(streak, ran.seconds, cpu) if ran.seconds >= _SLOW else 0
+                record = self._report_and_next(runner, ran, streak >= _SLOW_STREAK)
         finally:
             with self._lock:
                 self._runners.discard(runner)

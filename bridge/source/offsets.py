@@ -18,8 +18,20 @@ class PartitionTracker:
         if self._next_after_seen is None or offset >= self._next_after_seen:
             self._next_after_seen = offset + 1
 
+    def fetched_many(self, offsets: list[int]) -> None:
+        """A poll's offsets of this partition, in fetch order (one set update, not a call a record)."""
+        if not offsets:
+            return
+        self._pending.update(offsets)
+        highest = max(offsets)
+        if self._next_after_seen is None or highest >= self._next_after_seen:
+            self._next_after_seen = highest + 1
+
     def done(self, offset: int) -> None:
         self._pending.discard(offset)
+
+    def done_many(self, offsets: list[int]) -> None:
+        self._pending.difference_update(offsets)
 
     @property
     def pending(self) -> int:
