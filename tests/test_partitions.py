@@ -109,3 +109,18 @@ def test_a_polls_offsets_tracked_together_commit_as_one_by_one_would(data: st.Da
         model.pending.difference_update(done)
         assert tracker.commit_offset() == model.commit_offset()
         assert tracker.pending == len(model.pending)
+
+
+def test_a_slow_record_does_not_keep_every_offset_done_behind_it() -> None:
+    """The tracker keeps its pending offsets in fetch order to find the lowest without a scan; while one record
+    runs long, the thousands done behind it are dropped from that order, not kept until it ends."""
+    tracker = PartitionTracker()
+    tracker.fetched_many([0])
+    for start in range(1, 200_001, 500):
+        batch = list(range(start, start + 500))
+        tracker.fetched_many(batch)
+        tracker.done_many(batch)
+        assert tracker.commit_offset() == 0
+    assert len(tracker._order) < 10_000
+    tracker.done(0)
+    assert tracker.commit_offset() == 200_001 and tracker.pending == 0

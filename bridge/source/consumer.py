@@ -183,7 +183,7 @@ class SourceConsumer:
     def _size_polls(self, records: list[SourceRecord]) -> None:
         """One poll returns whatever librdkafka fetches within its timeout, past queued.max.messages.kbytes: with
         large records, ask for fewer at a time, so a poll brings at most a quarter of the backlog's budget."""
-        average = sum(len(r.value) for r in records) / len(records)
+        average = sum([len(r.value) for r in records]) / len(records)
         budget = self.config.kafka.max_buffered_mb * 1024 * 1024 / 2
         fits = int(budget / 4 / max(average, 1.0))
         self._poll_size = max(1, min(_BATCH, fits, self._poll_size * 4))

@@ -113,16 +113,17 @@ class Lane:
     # ---- on the loop ---------------------------------------------------------------------------------------
 
     def add(self, records: list[SourceRecord]) -> None:
+        size = sum([len(r.value) for r in records])
         with self._lock:
             self.ready.extend(records)
-            self.ready_bytes += sum(len(r.value) for r in records)
+            self.ready_bytes += size
         self.dispatch()
 
     def put_back(self, records: list[SourceRecord]) -> None:
         """Records to run again (their failure could not be stored), ahead of the others."""
         with self._lock:
             self.ready.extendleft(reversed(records))
-            self.ready_bytes += sum(len(r.value) for r in records)
+            self.ready_bytes += sum([len(r.value) for r in records])
         self.dispatch()
 
     def dispatch(self) -> None:
