@@ -222,7 +222,11 @@ class FirstDelivery:
     async def run_async(self, begun: Begun) -> Ran:
         """Run an async handler and say what it became. Never raises but CancelledError (abandoned)."""
         if not begun.sampled:
-            return self.ended(begun, await self._call_async(begun))
+            try:
+                await begun.handler.fn(begun.ctx)  # type: ignore[misc]
+            except Exception as e:
+                return self.ended(begun, outcome_of_exception(e, begun.queue.errors))
+            return Ran(begun.record, begun.queue_name, None, Outcome.SUCCESS, time.monotonic() - begun.began)
         with self._spans(begun) as span:
             result = await self._call_async(begun)
             self._end_span(span, begun, result)

@@ -378,33 +378,36 @@ class Lane:
         one's handler suspend: concurrency without a task per record."""
         with self._lock:
             self._starting -= 1
+        delivery, queue_name, is_suspect = self.delivery, self.queue_name, self._is_suspect
         try:
-            while (record := self._next(runner)) is not None:
+            record = self._next(runner)
+            while record is not None:
                 self._maybe_second_runner()
                 if runner.park:
-                    self._report(self._park(record))
+                    record = self._report_and_next(runner, self._park(record), False)
                     continue
-                prepared = self.delivery.prepare(record, self.queue_name, self._is_suspect(record.offset))
+                prepared = delivery.prepare(record, queue_name, is_suspect(record.offset))
                 if not isinstance(prepared, Begun):
-                    self._report(Ran(record, self.queue_name, prepared))
+                    record = self._report_and_next(runner, Ran(record, queue_name, prepared), False)
                     continue
                 runner.current = prepared
                 try:
-                    if self.delivery.is_async(prepared.handler):
-                        ran = await self.delivery.run_async(prepared)
+                    if delivery.is_async(prepared.handler):
+                        ran = await delivery.run_async(prepared)
                     else:  # no handler threads here (tests): the loop's default executor
-                        ran = await self._loop.run_in_executor(None, self.delivery.run_sync, prepared)
+                        ran = await self._loop.run_in_executor(None, delivery.run_sync, prepared)
                 except asyncio.CancelledError:
                     if runner.abandoned:
                         return  # the watchdog reported this record
                     raise
-                runner.current = None
-                self._report(ran)
+                record = self._report_and_next(runner, ran, False)
         finally:
             with self._lock:
                 self._runners.discard(runner)
 
     def _maybe_second_runner(self) -> None:
+        if self._starting or len(self._runners) >= self.limit or not self.ready:
+            return  # read without the lock: a glance (on the loop, where runners start), checked again under it
         with self._lock:
             if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
                 return
