@@ -4,6 +4,7 @@
     python -m bench.bench_engine retry [--n 20000]                    # claim + complete per second
     python -m bench.bench_engine scale [--sizes 10000,100000,1000000] # claim latency and RSS vs tasks stored
     python -m bench.bench_engine binding [--n 20000]                  # NULLs and blobs bound with / without adapters
+    python -m bench.bench_engine lane [--n 20000]                     # a lane's runner vs the handler alone, no Kafka
     python -m bench.bench_engine all
 """
 
@@ -25,9 +26,15 @@ from bridge.changelog.picking import TASK_ROW, pick_last
 from bridge.clock import SystemClock
 from bridge.config import parse_config
 from bridge.engine.core import Engine
+from bridge.engine.threads import HandlerThreads
+from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
+from bridge.records import SourceRecord
 from bridge.registry import Registry
+from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.lanes import Lane
+from bridge.source.offsets import PartitionTracker
 from bridge.store.bulk import insert_rows
 from bridge.store.history import with_history_functions
 from bridge.store.queries import q
@@ -284,6 +291,68 @@ async def bench_binding(n: int, rounds: int = 5) -> None:
     ])
 
 
+async def bench_lane(n: int, rounds: int = 7) -> None:
+    """What a partition's lane adds to a record, no Kafka: n records through a real lane (its runner on a handler
+    thread, the results taken on the loop, the offsets tracked as the consumer does) against the same handler
+    called with its context in a plain loop, alternated in one process; CPU of the whole process a record."""
+    from bench.bench_kafka import Finished, bench_config, counted_ok  # not at the top: it imports Kafka clients
+
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config("127.0.0.1:9", Path(tmp), {"handler": "ok"})  # no broker is contacted
+    registry = counted_ok(Finished(n))
+    handler = registry.get("ok")
+    assert handler is not None
+    delivery = FirstDelivery(None, LiveConfig(config), registry, SystemClock(), None, "bench")  # type: ignore[arg-type]
+    batches = [[SourceRecord("in", 0, i, None, b"x" * 1000, 0, ()) for i in range(start, min(n, start + 500))]
+               for start in range(0, n, 500)]
+    bare: list[float] = []
+    laned: list[float] = []
+    for _ in range(rounds):
+        began = time.process_time()
+        for batch in batches:
+            for r in batch:
+                headers = {"rdq.source": r.source}
+                handler.fn(HandlerContext("t", "q", 1, 0, r.value, "application/octet-stream", headers))
+        bare.append((time.process_time() - began) / n * 1e6)
+        laned.append(await _through_a_lane(delivery, batches, n))
+    ratio = statistics.median(laned) / statistics.median(bare)
+    record("a lane's runner vs the handler alone, no Kafka", [
+        f"records: {n}, polls of 500 into one lane (one runner on a handler thread, results taken on the loop, "
+        f"offsets tracked); {rounds} rounds alternated; CPU of the process a record",
+        f"baseline, the ok handler and its context in a plain loop: {_spread(bare)} us a record",
+        f"through the lane: {_spread(laned)} us a record; median/median {ratio:.2f}",
+    ])
+
+
+async def _through_a_lane(delivery: FirstDelivery, batches: list[list[SourceRecord]], n: int) -> float:
+    threads = HandlerThreads(lambda queue: 4)
+    tracker = PartitionTracker()
+    finished = asyncio.Event()
+    seen = 0
+
+    def on_results(lane: Lane, results: list[Ran]) -> None:
+        nonlocal seen
+        delivery.count("q", results)
+        tracker.done_many([ran.record.offset for ran in results if ran.task is None])
+        seen += len(results)
+        if seen >= n:
+            finished.set()
+
+    lane = Lane(("in", 0), "q", delivery, threads, 16, on_results, lambda offset: False)
+    began = time.process_time()
+    for batch in batches:
+        tracker.fetched_many([r.offset for r in batch])
+        lane.add(batch)
+        for _ in itertools.count():  # as the consumer pauses a partition past its share
+            if lane.backlog <= 2000:
+                break
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(finished.wait(), 600)
+    cpu = (time.process_time() - began) / n * 1e6
+    threads.shutdown()
+    return cpu
+
+
 def _spread(values: list[float]) -> str:
     ordered = sorted(values)
     return f"{ordered[0]:.1f}/{statistics.median(ordered):.1f}/{ordered[-1]:.1f} (min/median/max)"
@@ -291,7 +360,7 @@ def _spread(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["failures", "retry", "scale", "binding", "all"])
+    parser.add_argument("which", choices=["failures", "retry", "scale", "binding", "lane", "all"])
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--sizes", default="10000,100000,1000000")
@@ -305,6 +374,8 @@ def main() -> None:
         asyncio.run(bench_scale([int(s) for s in args.sizes.split(",")], args.claims))
     if args.which in ("binding", "all"):
         asyncio.run(bench_binding(args.n))
+    if args.which in ("lane", "all"):
+        asyncio.run(bench_lane(args.n))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ ROWS = {
     "engine-retry": ["bench.bench_engine", "retry", "--n", "300"],
     "engine-scale": ["bench.bench_engine", "scale", "--sizes", "2000", "--claims", "20"],
     "engine-binding": ["bench.bench_engine", "binding", "--n", "300"],
+    "engine-lane": ["bench.bench_engine", "lane", "--n", "300"],
     "kafka-happy": ["bench.bench_kafka", "happy", "--n", "600", "--runs", "1"],
     "kafka-bookkeeping": ["bench.bench_kafka", "bookkeeping", "--n", "600", "--runs", "1"],
     "kafka-failure": ["bench.bench_kafka", "failure", "--n", "300", "--runs", "1"],
