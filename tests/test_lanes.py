@@ -70,6 +70,23 @@ def records(n: int, payload: bytes = b"{}") -> list[SourceRecord]:
     return [SourceRecord("t", 0, i, None, payload, None, ()) for i in range(n)]
 
 
+async def run_watched(rig: Rig, lane: Lane, n: int, release: threading.Event) -> None:
+    """n records through the lane under the consumer's watchdog (every 50 ms), until all are reported; then the
+    hung handler is released."""
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            lane.watch(time.monotonic())
+
+    dog = asyncio.create_task(watchdog())
+    try:
+        lane.add(records(n))
+        assert await eventually(lambda: len(rig.results) == n, within=10)
+    finally:
+        dog.cancel()
+        release.set()
+
+
 async def test_a_fast_sync_handler_runs_on_one_runner_in_offset_order(rig: Rig) -> None:
     seen: list[int] = []
     threads: set[int] = set()
@@ -117,19 +134,7 @@ async def test_a_hung_record_is_abandoned_after_its_lease_and_the_records_behind
             release.wait(30)  # never heartbeats
 
     lane = await rig.lane(hangs_on_first, limit=1, lease="300ms")
-
-    async def watchdog() -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            lane.watch(time.monotonic())
-
-    dog = asyncio.create_task(watchdog())
-    try:
-        lane.add(records(5))
-        assert await eventually(lambda: len(rig.results) == 5, within=10)
-    finally:
-        dog.cancel()
-        release.set()
+    await run_watched(rig, lane, 5, release)
     by_offset = {r.record.offset: r for r in rig.results}
     hung = by_offset[0].task
     assert hung is not None and hung.first_attempt is not None
@@ -154,19 +159,7 @@ async def test_a_hung_records_late_failure_is_neither_reported_nor_counted_again
 
     lane = await rig.lane(hangs_then_fails, limit=1, lease="300ms",
                           on_failure=lambda lane, ran: failures.append(ran.record.offset))
-
-    async def watchdog() -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            lane.watch(time.monotonic())
-
-    dog = asyncio.create_task(watchdog())
-    try:
-        lane.add(records(5))
-        assert await eventually(lambda: len(rig.results) == 5, within=10)
-    finally:
-        dog.cancel()
-        release.set()
+    await run_watched(rig, lane, 5, release)
     await asyncio.sleep(0.3)
     assert sorted(r.record.offset for r in rig.results) == [0, 1, 2, 3, 4]
     assert failures == [0]
