@@ -33,10 +33,11 @@ from bridge.source.backpressure import Backpressure
 from bridge.source.first_delivery import FirstDelivery, Ran
 from bridge.source.journal import InflightJournal
 from bridge.source.keys import OrderKeys
-from bridge.source.lanes import CpuLoad, Lane
+from bridge.source.lanes import Lane
 from bridge.source.ownership import Ownership, offsets_to_commit
 from bridge.source.partitions import Partitions, PartitionState, Phase
 from bridge.source.restores import Changelog
+from bridge.source.runners import CpuLoad
 from bridge.store.tasks import Store
 
 log = logging.getLogger(__name__)

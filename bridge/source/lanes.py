@@ -6,7 +6,7 @@ the loop (async handlers, remote queues) that takes records one after another of
 offset order, until none is left.
 
 - Concurrency within the partition (`partition_concurrency`) comes from more runners, started only when the
-  handler waits. Sync: records that took >= `_SLOW` several in a row, mostly not computing, start as many
+  handler waits (runners.py). Sync: records that took >= 1 ms several in a row, mostly not computing, start as many
   runners as there are records, up to the limit. Async: a second runner waits its turn and runs only if the
   first one's handler suspends. A fast handler is run by one runner, as a bare consumer loop runs it: more
   threads would only fight for the GIL.
@@ -23,54 +23,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 
 from bridge.engine.threads import HandlerThreads
 from bridge.records import TP, SourceRecord
-from bridge.source.first_delivery import Begun, FirstDelivery, Ran
+from bridge.source.first_delivery import FirstDelivery, Ran
 from bridge.source.lane_keys import LaneKeys
+from bridge.source.runners import CpuLoad, Runner, drain_async, drain_sync
 
-# A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
-# waits on I/O). One slow record is not enough: a runner that waited for the GIL sees a fast record take 5 ms,
-# and more threads for a fast handler only make them fight for it.
-_SLOW = 0.001
-_SLOW_STREAK = 3
 # The watchdog adds a runner when every runner is on a record this old (the first records of a lane may hang).
 _STALLED = 0.1
-# No runner is added while the process computes at least this much of a core: its threads already hold the GIL
-# all the time, so handlers that looked slow were waiting for it, and more threads would only lengthen the wait.
-_BUSY = 0.8
-
-
-class CpuLoad:
-    """The process's CPU use, sampled by the consumer's watchdog (every quarter second at most)."""
-
-    def __init__(self) -> None:
-        self._since = (time.monotonic(), time.process_time())
-        self.busy = False
-
-    def sample(self, now: float) -> None:
-        began, cpu_then = self._since
-        if now - began >= 0.25:
-            cpu = time.process_time()
-            self.busy = (cpu - cpu_then) / (now - began) >= _BUSY
-            self._since = (now, cpu)
-
-
-class Runner:
-    """One runner: the record it is running now (for the watchdog), and how to let it go."""
-
-    __slots__ = ("abandoned", "call", "current", "park", "task")
-
-    def __init__(self) -> None:
-        self.current: Begun | None = None
-        self.park = False  # the record just taken is parked, not run (its key is blocked)
-        self.abandoned = False
-        self.call: Future[None] | None = None  # a sync runner's call on the handler threads
-        self.task: asyncio.Task[None] | None = None  # an async runner
 
 
 class Lane:
@@ -90,14 +53,14 @@ class Lane:
         self.released = False  # let go (revoked, stopping): held for good
         self._threads = threads
         self._on_results = on_results
-        self._is_suspect = is_suspect
+        self.is_suspect = is_suspect
         # Called by the runner as soon as a record failed (before its task is stored): the consumer counts the
         # open task at once and may hold the lane (max_open_tasks) before the runner takes the next record.
         self._on_failure = on_failure
         self._load = load or CpuLoad()
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._on_loop = delivery.runs_on_loop(queue_name) or threads is None
-        self._call_soon = self._loop.call_soon if self._on_loop else self._loop.call_soon_threadsafe
+        self._call_soon = self.loop.call_soon if self._on_loop else self.loop.call_soon_threadsafe
         # Shared with the runner threads: the runners, how many are starting, the results not yet taken.
         self._lock = threading.Lock()
         self._runners: set[Runner] = set()
@@ -204,10 +167,10 @@ class Lane:
             with self._lock:
                 self._runners.add(runner)
             if self._on_loop:
-                runner.task = self._loop.create_task(self._drain_async(runner), name=f"rdq-lane-{self.tp}")
+                runner.task = self.loop.create_task(drain_async(self, runner), name=f"rdq-lane-{self.tp}")
             else:
                 assert self._threads is not None
-                runner.call = self._threads.pool(self.queue_name).submit(functools.partial(self._drain_sync, runner))
+                runner.call = self._threads.pool(self.queue_name).submit(functools.partial(drain_sync, self, runner))
 
     def _take_results(self) -> None:
         with self._lock:
@@ -218,7 +181,17 @@ class Lane:
 
     # ---- in the runners -------------------------------------------------------------------------------------
 
-    def _next(self, runner: Runner) -> SourceRecord | None:
+    # ---- asked by the runners (runners.py) --------------------------------------------------------------
+
+    def runner_started(self) -> None:
+        with self._lock:
+            self._starting -= 1
+
+    def runner_ended(self, runner: Runner) -> None:
+        with self._lock:
+            self._runners.discard(runner)
+
+    def next_record(self, runner: Runner) -> SourceRecord | None:
         with self._lock:
             return self._take_next(runner)
 
@@ -276,7 +249,7 @@ class Lane:
         if back:
             self.dispatch()
 
-    def _park(self, record: SourceRecord) -> Ran:
+    def parked(self, record: SourceRecord) -> Ran:
         queue = self.delivery.config.queue(self.queue_name)
         assert queue is not None
         return Ran(record, self.queue_name, self.delivery.parked(record, self.queue_name, queue))
@@ -310,7 +283,7 @@ class Lane:
         elif back:
             self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
-    def _report_and_next(self, runner: Runner, ran: Ran, slow: bool) -> SourceRecord | None:
+    def report_and_next(self, runner: Runner, ran: Ran, slow: bool) -> SourceRecord | None:
         """A sync runner's record ended: report it and take the next one, under one lock (a fast handler's record
         costs one lock, not three). None: nothing more for this runner — or the watchdog abandoned the record
         and reported it already (this thread was counted stuck)."""
@@ -337,75 +310,7 @@ class Lane:
             self._after_result(wake, spawn, back)
         return record
 
-    def _drain_sync(self, runner: Runner) -> None:
-        """A sync runner, on a handler thread: the ready records one after another."""
-        with self._lock:
-            self._starting -= 1
-        delivery, queue_name, is_suspect = self.delivery, self.queue_name, self._is_suspect
-        streak = 0
-        try:
-            record = self._next(runner)
-            while record is not None:
-                if runner.park:
-                    record = self._report_and_next(runner, self._park(record), False)
-                    continue
-                prepared = delivery.prepare(record, queue_name, is_suspect(record.offset))
-                if not isinstance(prepared, Begun):
-                    record = self._report_and_next(runner, Ran(record, queue_name, prepared), False)
-                    continue
-                runner.current = prepared
-                cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
-                ran = delivery.run_sync(prepared)
-                streak = self._slow_streak(streak, ran.seconds, cpu) if ran.seconds >= _SLOW else 0
-                record = self._report_and_next(runner, ran, streak >= _SLOW_STREAK)
-        finally:
-            with self._lock:
-                self._runners.discard(runner)
-
-    @staticmethod
-    def _slow_streak(streak: int, wall: float, cpu_before: float) -> int:
-        """Records in a row that took >= _SLOW mostly waiting (I/O: more runners help). The first is judged by
-        its wall time alone; the next ones also by this thread's CPU time: a record that computed for 1 ms (CPU:
-        more runners would only fight for the GIL) breaks the streak."""
-        if wall < _SLOW:
-            return 0
-        if streak and time.thread_time() - cpu_before >= wall / 2:
-            return 0
-        return streak + 1
-
-    async def _drain_async(self, runner: Runner) -> None:
-        """An async runner, on the loop. A second runner is started (once) to take the next record should this
-        one's handler suspend: concurrency without a task per record."""
-        with self._lock:
-            self._starting -= 1
-        delivery, queue_name, is_suspect = self.delivery, self.queue_name, self._is_suspect
-        try:
-            record = self._next(runner)
-            while record is not None:
-                self._maybe_second_runner()
-                if runner.park:
-                    record = self._report_and_next(runner, self._park(record), False)
-                    continue
-                prepared = delivery.prepare(record, queue_name, is_suspect(record.offset))
-                if not isinstance(prepared, Begun):
-                    record = self._report_and_next(runner, Ran(record, queue_name, prepared), False)
-                    continue
-                runner.current = prepared
-                try:
-                    if delivery.is_async(prepared.handler):
-                        ran = await delivery.run_async(prepared)
-                    else:  # no handler threads here (tests): the loop's default executor
-                        ran = await self._loop.run_in_executor(None, delivery.run_sync, prepared)
-                except asyncio.CancelledError:
-                    if runner.abandoned:
-                        return  # the watchdog reported this record
-                    raise
-                record = self._report_and_next(runner, ran, False)
-        finally:
-            with self._lock:
-                self._runners.discard(runner)
-
-    def _maybe_second_runner(self) -> None:
+    def maybe_second_runner(self) -> None:
         if self._starting or len(self._runners) >= self.limit or not self.ready:
             return  # read without the lock: a glance (on the loop, where runners start), checked again under it
         with self._lock:
