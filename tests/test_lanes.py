@@ -265,6 +265,39 @@ def test_a_failures_stack_reads_as_pythons_own_without_the_carets() -> None:
             assert format_stack(e) == expected
 
 
+def test_a_failures_last_line_reads_as_pythons_own_whatever_the_exception() -> None:
+    """The exception's own line is written without `traceback.TracebackException` (it walked the tracebacks again);
+    it must still read as Python's: module-qualified names, an empty message, a str() that raises, notes of every
+    shape, an exception group, and a SyntaxError's own layout."""
+    import traceback
+
+    from bridge.engine.runner import format_stack
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    class Elsewhere(Exception):
+        pass
+
+    Elsewhere.__module__ = "payments.client"
+    noted = ValueError("noted")
+    noted.add_note("first note\nits second line")
+    noted.add_note("")
+    odd_notes, not_a_sequence = ValueError("odd"), ValueError("not a sequence")
+    odd_notes.__notes__ = "abc"  # type: ignore[attr-defined]
+    not_a_sequence.__notes__ = 42  # type: ignore[attr-defined]
+    failures: list[BaseException] = [
+        ValueError(), KeyError("k"), Unprintable("x"), Elsewhere("two\nlines"), noted, odd_notes, not_a_sequence,
+        ExceptionGroup("several", [ValueError(1), TypeError(2)]), SyntaxError("bad", ("f.py", 3, 4, "x = = 1", 3, 6)),
+        KeyboardInterrupt()]
+    for failure in failures:
+        try:
+            raise failure
+        except BaseException as e:
+            assert format_stack(e).endswith("".join(traceback.format_exception_only(e))), failure
+
+
 async def test_a_keys_next_record_waits_until_its_failed_record_is_stored(rig: Rig) -> None:
     """ordering: key. A record that became a task blocks its key; the key's next record must not be parked (or run)
     before that task is in the store: a head whose insert failed and was retried let a later record find no open

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import concurrent.futures
 import contextvars
 import functools
@@ -68,7 +69,36 @@ def _format_chain(exc: BaseException, parts: list[str], seen: set[int]) -> None:
             line = linecache.getline(code.co_filename, lineno or 0, frame.f_globals).strip()
             if line:
                 parts.append(f"    {line}\n")
-    parts.extend(traceback.format_exception_only(exc))
+    parts.extend(_exception_only(exc))
+
+
+def _exception_only(exc: BaseException) -> list[str]:
+    """`traceback.format_exception_only(exc)` without building a `TracebackException`: that walks the chain's
+    tracebacks again (a third of a failing record's handler-thread time). A SyntaxError's own layout is left to
+    `traceback`."""
+    kind = type(exc)
+    if issubclass(kind, SyntaxError):
+        return traceback.format_exception_only(exc)
+    name = kind.__qualname__
+    module = kind.__module__
+    if module not in ("__main__", "builtins"):
+        name = f"{module if isinstance(module, str) else '<unknown>'}.{name}"
+    text = _safe_str(exc, "exception", str)
+    lines = [f"{name}: {text}\n" if text else f"{name}\n"]
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, collections.abc.Sequence):
+        for note in notes:
+            lines.extend(line + "\n" for line in _safe_str(note, "note", str).split("\n"))
+    elif notes is not None:
+        lines.append(_safe_str(notes, "__notes__", repr))
+    return lines
+
+
+def _safe_str(value: object, what: str, fn: Callable[[object], str]) -> str:
+    try:
+        return fn(value)
+    except Exception:  # what traceback prints for an exception whose str() (or a note's) raises
+        return f"<{what} {fn.__name__}() failed>"
 
 
 @dataclass
