@@ -580,3 +580,68 @@ async def test_a_state_sent_is_held_from_the_outbox_until_a_read_sees_its_mark()
     second.set_exception(RuntimeError("disk full"))  # a failed mark: sent again, the same state
     await holds.settled()
     assert holds.unsent([entry("t", 5)]) == [entry("t", 5)]
+
+
+class _CountingIndex(LocalIndex):
+    """The real index; how many task ids the waiters asked the store about."""
+
+    asked = 0
+
+    async def unlogged(self, ids: Any) -> set[str]:
+        ids = list(ids)
+        self.asked += len(ids)
+        return await super().unlogged(ids)
+
+
+async def test_the_logged_waiters_ask_the_store_only_where_a_round_cannot_tell(tmp_path: Path) -> None:
+    """A round resolves the tasks it logged; the store is asked about a task newly waited for (a round may have
+    logged it before), and again only while it was held when asked (sent, its mark not committed: the mark ends
+    its wait, not a round). Not every waiting task every round (thousands behind a backlog), yet nothing is left
+    waiting: a task that leaves the store outside the rounds is found by the periodic full ask."""
+    from bridge.changelog.holds import Holds
+    from bridge.changelog.waiters import LoggedWaiters
+
+    store = await Store.open(tmp_path / "rdq.db", scoped=True)
+    local = _CountingIndex(store)
+    await local.set_changelogged(["src"])
+    now = [0.0]
+    holds = Holds()
+    waiters = LoggedWaiters(local, holds.holds, recheck=60.0, clock=lambda: now[0])
+    resolved: list[str] = []
+    try:
+        await local.set_home(HOME, HomeState.ACTIVE)
+        tasks = [on("src", 0, i) for i in range(5)]
+        for task in tasks:
+            await store.submit(task)
+        by_id = {e.task_id: e for e in await local.outbox(10)}
+        logged_before = tasks[0]
+        await local.mark_logged([by_id[logged_before.id]])  # logged by a round before anyone waited for it
+        for task in tasks:
+            waiters.add(task.id, lambda i=task.id: resolved.append(i))  # type: ignore[misc]
+        await waiters.resolve({tasks[1].id})  # this round logged tasks[1]; the others newly waited for: asked
+        assert resolved == [tasks[1].id, logged_before.id] and local.asked == 4
+        for _ in range(10):  # rounds that log none of the three left: they are not asked about again
+            await waiters.resolve(set())
+        assert local.asked == 4 and len(resolved) == 2
+
+        # tasks[2] is sent while nobody asks; then a new waiter for it is asked about while it is held.
+        mark = asyncio.get_running_loop().create_future()
+        holds.sent([by_id[tasks[2].id]], mark)
+        waiters.add(tasks[2].id, lambda: resolved.append("again"))
+        await waiters.resolve(set())  # held, its mark not committed: unlogged, and asked again next round
+        assert len(resolved) == 2
+        await local.mark_logged([by_id[tasks[2].id]])
+        mark.set_result(None)
+        holds.before_read()
+        await waiters.resolve(set())
+        assert resolved[2:] == [tasks[2].id, "again"]  # asked again, not left for the full ask
+
+        # tasks[3] and [4] leave the store outside the rounds (their partition dropped): found by the full ask.
+        await local.drop_home(HOME)
+        await waiters.resolve(set())
+        assert len(resolved) == 4
+        now[0] = 61.0
+        await waiters.resolve(set())
+        assert {tasks[3].id, tasks[4].id} <= set(resolved) and not waiters._waiting
+    finally:
+        await store.close()

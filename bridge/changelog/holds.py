@@ -43,6 +43,10 @@ class Holds:
                     del self._held[task_id]
         self._marks = pending
 
+    def holds(self, task_id: str) -> bool:
+        """Sent, and its mark not seen committed by a read yet."""
+        return task_id in self._held
+
     def unsent(self, entries: list[Entry]) -> list[Entry]:
         """Of an outbox read, the states not already in the changelog."""
         if not self._held:

@@ -4,6 +4,7 @@ successful rounds."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from bridge.changelog.local import LocalIndex
@@ -37,24 +38,48 @@ class RoundWaiters:
 
 
 class LoggedWaiters:
-    """Who waits for a task's stored state to be in the changelog (or for the task to be gone)."""
+    """Who waits for a task's stored state to be in the changelog (or for the task to be gone).
 
-    def __init__(self, local: LocalIndex) -> None:
+    A round resolves the tasks it logged. The store is asked about the others only where it may know more than
+    the rounds: a task added since the last ask (a round may have logged it before it was waited for), and one
+    held when asked (sent, its mark not committed: the mark, not a round, ends its wait). Every task waiting was
+    asked about each round before, thousands behind a backlog: a tenth of the writer's rounds. Anything else that
+    ends a wait outside the rounds (a task dropped with its partition, the first start's marks) is found by a
+    full ask at most every `recheck` seconds.
+    """
+
+    def __init__(self, local: LocalIndex, held: Callable[[str], bool] = lambda task_id: False,
+                 recheck: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._local = local
+        self._held = held  # sent, its logged mark not yet committed (bridge/changelog/holds.py)
+        self._recheck = recheck
+        self._clock = clock
         self._waiting: dict[str, list[Callable[[], None]]] = {}
+        self._to_ask: set[str] = set()
+        self._asked_all = clock()
 
     def add(self, task_id: str, callback: Callable[[], None]) -> None:
         self._waiting.setdefault(task_id, []).append(callback)
+        self._to_ask.add(task_id)
 
     async def resolve(self, logged: set[str]) -> None:
-        """After a round: `logged` are in the changelog; the others are asked of the store."""
+        """After a round: `logged` are in the changelog; some of the others are asked of the store."""
         if not self._waiting:
+            self._to_ask.clear()
             return
-        done = [i for i in self._waiting if i in logged]
-        rest = [i for i in self._waiting if i not in logged]
-        if rest:
-            still = await self._local.unlogged(rest)
-            done += [i for i in rest if i not in still]
+        self._call([i for i in logged if i in self._waiting])
+        ask = self._to_ask & self._waiting.keys()
+        if self._clock() - self._asked_all >= self._recheck:
+            ask, self._asked_all = set(self._waiting), self._clock()
+        self._to_ask = set()  # what is added while the store answers is asked next time
+        if not ask:
+            return
+        held = {i for i in ask if self._held(i)}  # before the read: a hold goes only once its mark committed
+        still = await self._local.unlogged(ask)
+        self._call([i for i in ask if i not in still])
+        self._to_ask |= still & held
+
+    def _call(self, done: list[str]) -> None:
         for task_id in done:
             for callback in self._waiting.pop(task_id, []):
                 callback()

@@ -67,8 +67,8 @@ class ChangelogWriter:
         self._calls = ProducerCalls("rdq-changelog")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dlq: list[DlqItem] = []
-        self._waiters = LoggedWaiters(local)
         self._holds = Holds()  # sent, their marks not committed yet: not read again meanwhile
+        self._waiters = LoggedWaiters(local, self._holds.holds)
         self._last_offsets: dict[Home, int] = {}
         self._round_lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -289,7 +289,7 @@ class ChangelogWriter:
             assert item.delivered is not None
             item.on_delivery(None, DeliveredRecord(item.topic, *item.delivered))
         began = time.monotonic()
-        await self._waiters.resolve({e.task_id for e in work.entries})
+        await self._waiters.resolve({e.task_id for e in [*work.entries, *work.dlq_entries]})
         self.seconds["waiters"] += time.monotonic() - began
 
     async def _failed(self, work: Round, error: Any) -> None:
