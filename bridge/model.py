@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import orjson
 from ulid import ULID
 
 # A row of the store: sqlite3.Row, or a plain dict (faster to read by name, `store.dict_rows`).
@@ -96,6 +97,15 @@ def parse_rfc3339(value: str | None) -> int | None:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=dt.UTC)
     return round(parsed.timestamp() * 1000)
+
+
+def headers_json(headers: Mapping[str, str]) -> str:
+    """A task's headers as the store keeps them: compact JSON, by orjson (a tenth of `json.dumps`' time, paid by
+    the store's writer thread for every new task); a text orjson refuses (a lone surrogate) by `json`."""
+    try:
+        return orjson.dumps(headers).decode()
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(headers, separators=(",", ":"))
 
 
 def error_type_name(kind: type[BaseException]) -> str:
@@ -370,7 +380,7 @@ class NewTask:
             "id": self.id, "queue": self.queue, "handler_ref": self.handler_ref,
             "handler_version": self.handler_version, "payload": self.payload,
             "payload_content_type": self.payload_content_type,
-            "headers": json.dumps(self.headers, separators=(",", ":")), "status": self.status.value,
+            "headers": headers_json(self.headers), "status": self.status.value,
             "attempt_count": 1 if self.first_attempt else 0,
             "next_attempt_at": None if dead else self.next_attempt_at, "created_at": self.created_at,
             "finished_at": self.created_at if dead else None,

@@ -58,6 +58,20 @@ async def test_nulls_and_blobs_are_bound_without_the_adapter_lookup_and_read_bac
     assert [tuple(k) for k in kinds] == [("blob", "null", "null")] * 3
 
 
+async def test_headers_of_any_text_are_stored_and_read_back_as_they_were(store: Store) -> None:
+    """A task's headers are written by orjson, and by json where orjson refuses the text (a lone surrogate, which a
+    header decoded with surrogateescape can hold): stored alone, or in a bulk insert with others, nothing is lost."""
+    odd = {"é": "ü\u2028", "bad": "x\udcff", "": ""}
+    alone = dataclasses.replace(failure(), headers=odd)
+    in_bulk = [dataclasses.replace(failure(), headers={**odd, "rdq.source": f"kafka://in/0/{i}"})
+               for i in range(3)]
+    await store.submit(alone)
+    await asyncio.gather(*(store.submit(t) for t in in_bulk))
+    for task in (alone, *in_bulk):
+        got = await store.get(task.id)
+        assert got is not None and got.headers == task.headers
+
+
 async def test_submit_retryable_first_delivery_is_pending_with_attempt_one(store: Store) -> None:
     task_id = await store.submit(failure(due_in_ms=100))
     task = await store.get(task_id)

@@ -7,7 +7,7 @@ import json
 import sqlite3
 from typing import Any
 
-from bridge.model import Status, Task, home_params
+from bridge.model import Status, Task, headers_json, home_params
 from bridge.store.database import Database
 from bridge.store.queries import q
 from bridge.store.results import Redriven
@@ -122,7 +122,7 @@ class OperatorActions:
                 "id": task.id, "queue": task.queue, "handler_ref": task.handler_ref,
                 "handler_version": task.handler_version, "payload": task.payload,
                 "payload_content_type": task.payload_content_type,
-                "headers": json.dumps(task.headers, separators=(",", ":")), "attempt_count": task.attempt_count,
+                "headers": headers_json(task.headers), "attempt_count": task.attempt_count,
                 "redrive_count": task.redrive_count, "created_at": task.created_at,
                 "finished_at": task.finished_at or task.created_at,
                 "dead_reason_type": reason.type if reason else "rdq.Unknown",
