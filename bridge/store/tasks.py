@@ -7,7 +7,6 @@ transition after a claim is a compare-and-set on (id, lease_token, status); a re
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -97,16 +96,12 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
         writer is idle), without an asyncio task each. Per task: None once durable, or the StoreError it got
         (one bad row fails alone). `queued`: called once they are queued, before they commit (a write queued
         then joins their transaction, after their inserts)."""
-        futures = [self.db.enqueue(functools.partial(_insert_task, task), task) for task in tasks]
+        if not tasks:
+            return []
+        stored = self.db.enqueue_inserts(tasks, _insert_task)
         if queued is not None:
             queued()
-        outcomes = await asyncio.gather(*futures, return_exceptions=True)
-        errors: list[StoreError | None] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException) and not isinstance(outcome, StoreError):
-                raise outcome
-            errors.append(outcome if isinstance(outcome, StoreError) else None)
-        return errors
+        return await stored
 
     # ---- claim and lease -------------------------------------------------------------------------------
 
