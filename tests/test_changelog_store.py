@@ -594,10 +594,11 @@ class _CountingIndex(LocalIndex):
 
 
 async def test_the_logged_waiters_ask_the_store_only_where_a_round_cannot_tell(tmp_path: Path) -> None:
-    """A round resolves the tasks it logged; the store is asked about a task newly waited for (a round may have
-    logged it before), and again only while it was held when asked (sent, its mark not committed: the mark ends
-    its wait, not a round). Not every waiting task every round (thousands behind a backlog), yet nothing is left
-    waiting: a task that leaves the store outside the rounds is found by the periodic full ask."""
+    """A round resolves the tasks it logged; the store is asked about a task newly waited for that a round already
+    resolved may have logged (its read ended after the task was written), and again only while it was held when
+    asked (sent, its mark not committed: the mark ends its wait, not a round). Not every waiting task every round
+    (thousands behind a backlog), yet nothing is left waiting: a task that leaves the store outside the rounds is
+    found by the full ask of an idle round or, in a backlog, of the periodic one."""
     from bridge.changelog.holds import Holds
     from bridge.changelog.waiters import LoggedWaiters
 
@@ -608,40 +609,55 @@ async def test_the_logged_waiters_ask_the_store_only_where_a_round_cannot_tell(t
     holds = Holds()
     waiters = LoggedWaiters(local, holds.holds, recheck=60.0, clock=lambda: now[0])
     resolved: list[str] = []
+    busy = {"another-task"}  # a round that logged something: not an idle one
     try:
         await local.set_home(HOME, HomeState.ACTIVE)
-        tasks = [on("src", 0, i) for i in range(5)]
+        tasks = [on("src", 0, i) for i in range(7)]
         for task in tasks:
             await store.submit(task)
         by_id = {e.task_id: e for e in await local.outbox(10)}
+        await waiters.resolve(busy, read_ended=10.0)
         logged_before = tasks[0]
         await local.mark_logged([by_id[logged_before.id]])  # logged by a round before anyone waited for it
-        for task in tasks:
-            waiters.add(task.id, lambda i=task.id: resolved.append(i))  # type: ignore[misc]
-        await waiters.resolve({tasks[1].id})  # this round logged tasks[1]; the others newly waited for: asked
-        assert resolved == [tasks[1].id, logged_before.id] and local.asked == 4
-        for _ in range(10):  # rounds that log none of the three left: they are not asked about again
-            await waiters.resolve(set())
+        for task in tasks[:5]:  # written before that round's read ended: a round may have logged them
+            waiters.add(task.id, lambda i=task.id: resolved.append(i), written_since=9.0)  # type: ignore[misc]
+        for task in tasks[5:]:  # written after it: no round resolved so far can have logged them
+            waiters.add(task.id, lambda i=task.id: resolved.append(i), written_since=11.0)  # type: ignore[misc]
+        await waiters.resolve({tasks[1].id}, read_ended=12.0)  # this round logged tasks[1]; 0, 2, 3, 4 asked
+        assert set(resolved) == {tasks[1].id, logged_before.id} and local.asked == 4
+        for _ in range(10):  # busy rounds that log none of those left: they are not asked about again
+            await waiters.resolve(busy, read_ended=13.0)
         assert local.asked == 4 and len(resolved) == 2
+        await waiters.resolve({tasks[5].id, tasks[6].id}, read_ended=14.0)
+        assert set(resolved[2:]) == {tasks[5].id, tasks[6].id} and local.asked == 4
 
         # tasks[2] is sent while nobody asks; then a new waiter for it is asked about while it is held.
         mark = asyncio.get_running_loop().create_future()
         holds.sent([by_id[tasks[2].id]], mark)
         waiters.add(tasks[2].id, lambda: resolved.append("again"))
-        await waiters.resolve(set())  # held, its mark not committed: unlogged, and asked again next round
-        assert len(resolved) == 2
+        await waiters.resolve(busy, read_ended=15.0)  # held, its mark not committed: unlogged, asked again
+        assert len(resolved) == 4
         await local.mark_logged([by_id[tasks[2].id]])
         mark.set_result(None)
         holds.before_read()
-        await waiters.resolve(set())
-        assert resolved[2:] == [tasks[2].id, "again"]  # asked again, not left for the full ask
+        await waiters.resolve(busy, read_ended=16.0)
+        assert resolved[4:] == [tasks[2].id, "again"]  # asked again, not left for the full ask
 
-        # tasks[3] and [4] leave the store outside the rounds (their partition dropped): found by the full ask.
+        # tasks[3] and [4] leave the store outside the rounds (their partition dropped): found by a full ask.
         await local.drop_home(HOME)
-        await waiters.resolve(set())
-        assert len(resolved) == 4
-        now[0] = 61.0
-        await waiters.resolve(set())
-        assert {tasks[3].id, tasks[4].id} <= set(resolved) and not waiters._waiting
+        await waiters.resolve(busy, read_ended=17.0)
+        assert len(resolved) == 6
+        now[0] = 61.0  # in a backlog: the periodic one
+        await waiters.resolve(busy, read_ended=18.0)
+        assert set(resolved[6:]) == {tasks[3].id, tasks[4].id} and not waiters._waiting
+
+        gone = on("src", 0, 99)  # never stored (a redelivered record's task is the one stored before it)
+        waiters.add(gone.id, lambda: resolved.append(gone.id), written_since=20.0)
+        await waiters.resolve(busy, read_ended=21.0)
+        assert resolved[-1] != gone.id
+        await waiters.resolve(set(), read_ended=22.0)  # a round with nothing to send but held states: not idle
+        assert resolved[-1] != gone.id
+        await waiters.resolve(set(), read_ended=23.0, idle=True)  # an idle one asks about every task waiting
+        assert resolved[-1] == gone.id
     finally:
         await store.close()

@@ -61,6 +61,8 @@ class Round:
     entries: list[Entry] = field(default_factory=list)
     dlq_entries: list[Entry] = field(default_factory=list)
     offsets: dict[Home, int] = field(default_factory=dict)
+    read_ended: float = float("inf")  # its outbox read's end (time.monotonic()): what was written later is not in it
+    idle: bool = False  # its read found nothing unlogged, not even a state sent whose mark is not yet seen
 
 
 class Fenced:

@@ -41,15 +41,16 @@ class LoggedWaiters:
     """Who waits for a task's stored state to be in the changelog (or for the task to be gone).
 
     A round resolves the tasks it logged. The store is asked about the others only where it may know more than
-    the rounds: a task added since the last ask (a round may have logged it before it was waited for), and one
-    held when asked (sent, its mark not committed: the mark, not a round, ends its wait). Every task waiting was
-    asked about each round before, thousands behind a backlog: a tenth of the writer's rounds. Anything else that
-    ends a wait outside the rounds (a task dropped with its partition, the first start's marks) is found by a
-    full ask at most every `recheck` seconds.
+    the rounds: a task newly waited for that a round already resolved may have logged (its read ended after the
+    task's write was queued), and one held when asked (sent, its mark not committed: the mark, not a round, ends
+    its wait). Every task waiting was asked about each round before, thousands behind a backlog: a tenth of the
+    writer's rounds. Anything else that ends a wait outside the rounds (a task dropped with its partition, the
+    first start's marks, a redelivered record's task stored before under another id) is found by a full ask after
+    a round that found nothing to log (the writer idle: the ask costs no round) or every `recheck` seconds.
     """
 
     def __init__(self, local: LocalIndex, held: Callable[[str], bool] = lambda task_id: False,
-                 recheck: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 recheck: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._local = local
         self._held = held  # sent, its logged mark not yet committed (bridge/changelog/holds.py)
         self._recheck = recheck
@@ -57,19 +58,26 @@ class LoggedWaiters:
         self._waiting: dict[str, list[Callable[[], None]]] = {}
         self._to_ask: set[str] = set()
         self._asked_all = clock()
+        self._resolved_read = float("-inf")  # when the read of the last round resolved ended (`clock`)
 
-    def add(self, task_id: str, callback: Callable[[], None]) -> None:
+    def add(self, task_id: str, callback: Callable[[], None], written_since: float | None = None) -> None:
+        """`written_since`: the task's state was queued for the store at or after this time (`clock`); None: any
+        time before now."""
         self._waiting.setdefault(task_id, []).append(callback)
-        self._to_ask.add(task_id)
+        if written_since is None or written_since <= self._resolved_read:
+            self._to_ask.add(task_id)  # a round resolved before this wait may have logged it
 
-    async def resolve(self, logged: set[str]) -> None:
-        """After a round: `logged` are in the changelog; some of the others are asked of the store."""
+    async def resolve(self, logged: set[str], read_ended: float = float("inf"), idle: bool = False) -> None:
+        """After a round: `logged` are in the changelog; some of the others are asked of the store. `read_ended`:
+        when the round's outbox read had ended (`clock`): a state written later was not in it. `idle`: the read
+        found nothing unlogged (every task waiting is then asked about: it costs the writer no round)."""
+        self._resolved_read = max(self._resolved_read, read_ended)
         if not self._waiting:
             self._to_ask.clear()
             return
         self._call([i for i in logged if i in self._waiting])
         ask = self._to_ask & self._waiting.keys()
-        if self._clock() - self._asked_all >= self._recheck:
+        if idle or self._clock() - self._asked_all >= self._recheck:
             ask, self._asked_all = set(self._waiting), self._clock()
         self._to_ask = set()  # what is added while the store answers is asked next time
         if not ask:

@@ -84,9 +84,10 @@ class ChangelogWriter:
 
     # ---- what the rest of the bridge asks ------------------------------------------------------------------
 
-    def when_logged(self, task_id: str, callback: Callable[[], None]) -> None:
-        """Call `callback` (on the loop) once the task's stored state is in the changelog (or it is gone)."""
-        self._waiters.add(task_id, callback)
+    def when_logged(self, task_id: str, callback: Callable[[], None], written_since: float | None = None) -> None:
+        """Call `callback` (on the loop) once the task's stored state is in the changelog (or it is gone).
+        `written_since`: that state was queued for the store at or after this `time.monotonic()` (None: unknown)."""
+        self._waiters.add(task_id, callback, written_since)
 
     async def logged(self, task_id: str, within: float) -> bool:
         """Wait until the task's stored state is in the changelog and the source offsets of that moment are
@@ -220,14 +221,16 @@ class ChangelogWriter:
         dlq, self._dlq = self._dlq[:_DLQ_BATCH], self._dlq[_DLQ_BATCH:]
         began = time.monotonic()
         self._holds.before_read()
-        entries = await self.local.outbox(_BATCH, exclude=frozenset(i.task_id for i in dlq))
-        entries = self._holds.unsent(entries + await self.local.tombstones(_BATCH))
-        self.seconds["outbox"] += time.monotonic() - began
+        read = await self.local.outbox(_BATCH, exclude=frozenset(i.task_id for i in dlq))
+        read += await self.local.tombstones(_BATCH)
+        entries = self._holds.unsent(read)
+        work_read = time.monotonic()
+        self.seconds["outbox"] += work_read - began
         self.telemetry.metrics.changelog_unlogged.set(len(entries))
         if not dlq and not entries and offsets == self._last_offsets:
-            await self._waiters.resolve(set())
+            await self._waiters.resolve(set(), work_read, idle=not read)
             return True
-        work = Round(dlq, entries, offsets=offsets)
+        work = Round(dlq, entries, offsets=offsets, read_ended=work_read, idle=not read)
         ok = await self._transaction(work)
         if len(entries) >= _BATCH or self._dlq:
             self._kick.set()  # more waits: the next round at once
@@ -289,7 +292,8 @@ class ChangelogWriter:
             assert item.delivered is not None
             item.on_delivery(None, DeliveredRecord(item.topic, *item.delivered))
         began = time.monotonic()
-        await self._waiters.resolve({e.task_id for e in [*work.entries, *work.dlq_entries]})
+        await self._waiters.resolve({e.task_id for e in [*work.entries, *work.dlq_entries]}, work.read_ended,
+                                    work.idle)
         self.seconds["waiters"] += time.monotonic() - began
 
     async def _failed(self, work: Round, error: Any) -> None:

@@ -273,6 +273,7 @@ class SourceConsumer:
 
     async def _store_failures(self, lane: Lane, state: PartitionState | None, failures: list[Ran]) -> None:
         try:
+            written_since = time.monotonic()  # before any round could read them: none waits to be asked about
             stored = await self.delivery.store_all([ran.task for ran in failures if ran.task is not None])
         except Exception:
             # Not done: keep the records pending (the commit cannot pass them) and run them again shortly.
@@ -290,7 +291,8 @@ class SourceConsumer:
             if self.changelog is not None:
                 # Stored here; its offset moves once its task is in the changelog.
                 self.changelog.writer.when_logged(task.task_id,
-                                                  functools.partial(self._logged, lane.tp, ran.record.offset))
+                                                  functools.partial(self._logged, lane.tp, ran.record.offset),
+                                                  written_since)
             else:
                 self._logged(lane.tp, ran.record.offset)
 
