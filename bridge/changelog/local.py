@@ -121,7 +121,11 @@ class LocalIndex:
         """The marks queued for the next group commit now (in order with every write queued after them); the
         future is resolved when it committed."""
         entries = list(entries)
-        marks = {"marks": orjson.dumps([[e.task_id, e.version] for e in entries if e.value is not None]).decode()}
+        highest: dict[str, int] = {}
+        for e in entries:
+            if e.value is not None and e.version > highest.get(e.task_id, -1):
+                highest[e.task_id] = e.version
+        marks = {"marks": orjson.dumps(highest).decode()}
         gone = {"ids": orjson.dumps([e.task_id for e in entries if e.value is None]).decode()}
 
         def apply(conn: sqlite3.Connection) -> None:

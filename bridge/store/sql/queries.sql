@@ -546,11 +546,13 @@ SELECT t.id, t.home_topic, t.home_partition, t.version, t.payload,
  LIMIT :limit;
 
 -- name: changelog_logged
--- A round's records acknowledged (:marks is a JSON array of [task id, version]): one statement, not a step a
--- task (each step gave the GIL up and back). A version never goes back; a task twice counts its higher one.
-UPDATE tasks SET logged_version = m.version
-  FROM (SELECT value ->> 0 AS id, max(value ->> 1) AS version FROM json_each(:marks) GROUP BY 1) AS m
- WHERE tasks.id = m.id AND tasks.logged_version < m.version;
+-- A round's records acknowledged (:marks is a JSON object, task id → version, a task once: its highest): one
+-- statement, not a step a task (each step gave the GIL up and back); an object's keys and integer values are
+-- read as they are (an array of pairs took a path lookup for each and a GROUP BY: a fifth slower). A version
+-- never goes back.
+UPDATE tasks SET logged_version = m.value
+  FROM json_each(:marks) AS m
+ WHERE tasks.id = m.key AND tasks.logged_version < m.value;
 
 -- name: changelog_unlogged_of
 -- Of several tasks (:ids is a JSON array), those with a transition the changelog has not acknowledged.
