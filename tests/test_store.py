@@ -58,6 +58,29 @@ async def test_nulls_and_blobs_are_bound_without_the_adapter_lookup_and_read_bac
     assert [tuple(k) for k in kinds] == [("blob", "null", "null")] * 3
 
 
+def test_a_task_id_is_a_ulid_of_its_millisecond_and_random_bits() -> None:
+    """Task ids are written by a table, not by python-ulid: python-ulid must read each as a ULID of the moment it was
+    made, its time part as python-ulid writes that millisecond, none twice, the random part's characters all used."""
+    import time
+
+    from ulid import ULID
+
+    from bridge.model import new_task_id, ulid_time
+
+    before = time.time_ns() // 1_000_000
+    ids = [new_task_id() for _ in range(20_000)]
+    after = time.time_ns() // 1_000_000
+    assert len(set(ids)) == len(ids)
+    assert all(str(ULID.from_str(i)) == i and before <= ULID.from_str(i).milliseconds <= after for i in ids)
+    assert set("".join(i[10:] for i in ids)) == set("0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+    first = new_task_id()
+    time.sleep(0.005)
+    assert ULID.from_str(new_task_id()).milliseconds > ULID.from_str(first).milliseconds  # the time part moves on
+    rng = random.Random(7)
+    for ms in [0, 1, 31, 32, 2**48 - 1, *(rng.randrange(2**48) for _ in range(1000))]:
+        assert ulid_time(ms) == str(ULID.from_bytes(ms.to_bytes(6, "big") + bytes(10)))[:10], ms
+
+
 async def test_headers_of_any_text_are_stored_and_read_back_as_they_were(store: Store) -> None:
     """A task's headers are written by orjson, and by json where orjson refuses the text (a lone surrogate, which a
     header decoded with surrogateescape can hold): stored alone, or in a bulk insert with others, nothing is lost."""
