@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import base64
-import datetime as dt
-import functools
 import json
 import random
 import sqlite3
@@ -15,6 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
+
+from bridge.clock import parse_rfc3339, rfc3339
 
 # A row of the store: sqlite3.Row, or a plain dict (faster to read by name, `store.dict_rows`).
 Row = sqlite3.Row | Mapping[str, Any]
@@ -89,28 +89,6 @@ def new_task_id() -> str:
 def ulid_time(ms: int) -> str:
     """The ten characters of a ULID that say its millisecond (48 bits, two zero bits in front)."""
     return "".join(chr(_CROCKFORD[(ms >> shift) & 31]) for shift in range(45, -5, -5))
-
-
-def rfc3339(ms: int | None) -> str | None:
-    """ms since the epoch → `2026-07-20T14:03:22.200Z` (a DLQ envelope has a dozen of these per task)."""
-    if ms is None:
-        return None
-    return f"{_rfc3339_seconds(ms // 1000)}.{ms % 1000:03d}Z"
-
-
-@functools.lru_cache(maxsize=4096)
-def _rfc3339_seconds(seconds: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-
-
-def parse_rfc3339(value: str | None) -> int | None:
-    """`2026-07-20T14:03:22.200Z` → ms since the epoch (the inverse of rfc3339)."""
-    if value is None:
-        return None
-    parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=dt.UTC)
-    return round(parsed.timestamp() * 1000)
 
 
 def headers_json(headers: Mapping[str, str]) -> str:

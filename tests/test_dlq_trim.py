@@ -71,7 +71,7 @@ def test_rfc3339_matches_datetime_formatting_to_the_millisecond() -> None:
     import datetime as dt
     import random
 
-    from bridge.model import rfc3339
+    from bridge.clock import rfc3339
 
     rng = random.Random(3)
     for ms in [0, 1, 999, 1000, -1, -1000, -1001, 1_800_000_000_123, *(rng.randint(-10**12, 4 * 10**12)

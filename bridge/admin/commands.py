@@ -26,9 +26,10 @@ from bridge.admin.protocol import (
     StatsArgs,
 )
 from bridge.admin.redrive import RedriveCommands
+from bridge.clock import parse_rfc3339, rfc3339
 from bridge.config import ConfigError
 from bridge.engine.core import Engine
-from bridge.model import Status, Task, parse_rfc3339, rfc3339
+from bridge.model import Status, Task
 from bridge.records import source_key
 from bridge.store.reads import TaskFilter
 

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from bridge.clock import parse_rfc3339
 from bridge.config import AdminAuth
-from bridge.model import Status, parse_rfc3339
+from bridge.model import Status
 
 KEY_ID = "rdq.key_id"
 SIGNATURE = "rdq.signature"

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bridge.admin.protocol import DEFAULT_REDRIVE_RATE, Command, RedriveArgs, Refused
+from bridge.clock import parse_rfc3339
 from bridge.dlq.foreign import NotImportable, decode_envelope
 from bridge.engine.core import Engine
-from bridge.model import Status, Task, parse_rfc3339
+from bridge.model import Status, Task
 from bridge.records import SOURCE, parse_source, source_key
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]

@@ -17,10 +17,10 @@ from typing import Any, TextIO
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
+from bridge.clock import rfc3339
 from bridge.config import BridgeConfig, ConfigError
 from bridge.dlq.foreign import RDQ, DlqRecord, NotImportable, decode_envelope, to_task
 from bridge.kafka_clients import KAFKA_LOG
-from bridge.model import rfc3339
 from bridge.records import TRACEPARENT, trace_id, valid_traceparent
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from bridge.clock import rfc3339
 from bridge.config import BridgeConfig
 from bridge.console.admin import ConsoleAdmin
 from bridge.console.gate import CSRF_FIELD, Gate
 from bridge.console.jobs import Jobs
-from bridge.model import rfc3339
 
 ENV = jinja2.Environment(loader=jinja2.PackageLoader("bridge.console", "templates"),
                          autoescape=True,  # every payload, header and error message shown escaped

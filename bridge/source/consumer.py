@@ -288,11 +288,9 @@ class SourceConsumer:
         if lane.ordered:
             lane.stored([ran.record.key for ran in failures])
         for ran, task in zip(failures, stored, strict=True):
-            if self.changelog is not None:
-                # Stored here; its offset moves once its task is in the changelog.
-                self.changelog.writer.when_logged(task.task_id,
-                                                  functools.partial(self._logged, lane.tp, ran.record.offset),
-                                                  written_since)
+            if self.changelog is not None:  # stored here; its offset moves once its task is in the changelog
+                logged = functools.partial(self._logged, lane.tp, ran.record.offset)
+                self.changelog.writer.when_logged(task.task_id, logged, written_since)
             else:
                 self._logged(lane.tp, ran.record.offset)
 

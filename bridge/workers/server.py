@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bridge.aio import first_of
+from bridge.clock import rfc3339
 from bridge.config import WorkersConfig
 from bridge.engine.core import Engine
 from bridge.engine.policy import decide
 from bridge.engine.runner import RunOutcome
-from bridge.model import ErrorInfo, Outcome, Task, rfc3339
+from bridge.model import ErrorInfo, Outcome, Task
 from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
