@@ -289,14 +289,14 @@ class SourceConsumer:
             lane.stored([ran.record.key for ran in failures])
         for ran, task in zip(failures, stored, strict=True):
             if self.changelog is not None:  # stored here; its offset moves once its task is in the changelog
-                logged = functools.partial(self._logged, lane.tp, ran.record.offset)
+                logged = functools.partial(self._logged, state, ran.record.offset)
                 self.changelog.writer.when_logged(task.task_id, logged, written_since)
             else:
-                self._logged(lane.tp, ran.record.offset)
+                self._logged(state, ran.record.offset)
 
-    def _logged(self, tp: TP, offset: int) -> None:
-        state = self.partitions.get(tp)
-        if state is not None:
+    def _logged(self, state: PartitionState | None, offset: int) -> None:
+        # Only for the assignment that stored it: a partition lost and assigned again fetches the record anew.
+        if state is not None and self.partitions.is_current(state):
             state.tracker.done(offset)
 
     async def _watch_lanes(self) -> None:
