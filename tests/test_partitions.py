@@ -63,6 +63,23 @@ def test_an_earlier_assignment_cannot_drop_a_later_one() -> None:
     assert partitions.get(TP) is again and partitions.is_current(again) and not partitions.is_current(lost)
 
 
+def test_a_record_done_for_a_lost_assignment_is_not_done_for_the_next_one() -> None:
+    """A task's changelog wait may end after its partition was lost and assigned again (the CI run of 3a78cba lost
+    records so): the new assignment fetched that record anew, and must not commit past it before it ran again."""
+    partitions = Partitions()
+    lost = PartitionState(TP)
+    partitions.add(lost)
+    lost.tracker.fetched(7)
+    partitions.drop(lost)
+    again = PartitionState(TP)
+    partitions.add(again)
+    again.tracker.fetched(7)
+    partitions.done(lost, 7)  # the lost assignment's late callback
+    assert again.commit_offset() != 8
+    partitions.done(again, 7)
+    assert again.commit_offset() == 8
+
+
 def test_a_reader_iterating_the_partitions_is_not_disturbed_by_a_change() -> None:
     partitions = Partitions()
     states = [PartitionState(("in", p)) for p in range(3)]

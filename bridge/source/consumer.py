@@ -289,15 +289,10 @@ class SourceConsumer:
             lane.stored([ran.record.key for ran in failures])
         for ran, task in zip(failures, stored, strict=True):
             if self.changelog is not None:  # stored here; its offset moves once its task is in the changelog
-                logged = functools.partial(self._logged, state, ran.record.offset)
+                logged = functools.partial(self.partitions.done, state, ran.record.offset)
                 self.changelog.writer.when_logged(task.task_id, logged, written_since)
             else:
-                self._logged(state, ran.record.offset)
-
-    def _logged(self, state: PartitionState | None, offset: int) -> None:
-        # Only for the assignment that stored it: a partition lost and assigned again fetches the record anew.
-        if state is not None and self.partitions.is_current(state):
-            state.tracker.done(offset)
+                self.partitions.done(state, ran.record.offset)
 
     async def _watch_lanes(self) -> None:
         """One watchdog for every lane's running records (hung, silent or past queue_timeout: abandoned)."""

@@ -103,6 +103,12 @@ class Partitions:
     def is_current(self, state: PartitionState) -> bool:
         return self._states.get(state.tp) is state
 
+    def done(self, state: PartitionState | None, offset: int) -> None:
+        """A record of `state`'s assignment is done (its task stored and logged). Not of a later assignment of the
+        same partition: that one fetched the record anew, and it is done only once it ran again."""
+        if state is not None and self.is_current(state):
+            state.tracker.done(offset)
+
     def __iter__(self) -> Iterator[PartitionState]:
         return iter(list(self._states.values()))
 
