@@ -67,13 +67,18 @@ class LocalIndex:
 
     # ---- writing side ----------------------------------------------------------------------------------
 
-    async def outbox(self, limit: int, exclude: frozenset[str] = frozenset()) -> list[Entry]:
+    async def outbox(self, limit: int, skip: Iterable[str] = (), sent: Iterable[tuple[str, int]] = ()) -> list[Entry]:
+        """Up to `limit` unlogged states, but any of the tasks in `skip` and the states `sent` (task id, version):
+        both left out before they are built."""
+        params = {"limit": limit, "skip": orjson.dumps(list(skip)).decode(),
+                  "sent": orjson.dumps([f"{task_id} {version}" for task_id, version in sent]).decode()}
+
         def read(conn: sqlite3.Connection) -> list[Entry]:
             # Each record built by SQLite, attempts and redrives in (its steps give the GIL up, Python's encoding
             # of the same held it: 2-3x the time, while the lanes wait), the payload spliced in base64 here.
-            rows = conn.execute(q("changelog_outbox_records"), {"limit": limit}).fetchall()
+            rows = conn.execute(q("changelog_outbox_records"), params).fetchall()
             return [Entry(task_id, (topic, partition), version, with_payload(record.encode(), payload))
-                    for task_id, topic, partition, version, payload, record in rows if task_id not in exclude]
+                    for task_id, topic, partition, version, payload, record in rows]
 
         # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
         # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).

@@ -220,17 +220,14 @@ class ChangelogWriter:
         offsets = self._offsets()
         dlq, self._dlq = self._dlq[:_DLQ_BATCH], self._dlq[_DLQ_BATCH:]
         began = time.monotonic()
-        self._holds.before_read()
-        read = await self.local.outbox(_BATCH, exclude=frozenset(i.task_id for i in dlq))
-        read += await self.local.tombstones(_BATCH)
-        entries = self._holds.unsent(read)
+        entries, idle = await self._holds.read(self.local, _BATCH, skip=[i.task_id for i in dlq])
         work_read = time.monotonic()
         self.seconds["outbox"] += work_read - began
         self.telemetry.metrics.changelog_unlogged.set(len(entries))
         if not dlq and not entries and offsets == self._last_offsets:
-            await self._waiters.resolve(set(), work_read, idle=not read)
+            await self._waiters.resolve(set(), work_read, idle=idle)
             return True
-        work = Round(dlq, entries, offsets=offsets, read_ended=work_read, idle=not read)
+        work = Round(dlq, entries, offsets=offsets, read_ended=work_read, idle=idle)
         ok = await self._transaction(work)
         if len(entries) >= _BATCH or self._dlq:
             self._kick.set()  # more waits: the next round at once
