@@ -45,6 +45,10 @@ from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
+# A round that found this many: a backlog builds, the next round starts at once rather than after `interval` (a
+# wait there, with rounds only starting at once after a full batch, left the writer a fifth idle on the failure
+# path while its backlog grew: bench_kafka failure).
+_BACKLOG = 500
 _ABORT_TRIES = 5  # aborts failed in a row: the producer is replaced
 _ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: the producer is replaced
 _DLQ_BATCH = 500
@@ -229,7 +233,7 @@ class ChangelogWriter:
             return True
         work = Round(dlq, entries, offsets=offsets, read_ended=work_read, idle=idle)
         ok = await self._transaction(work)
-        if len(entries) >= _BATCH or self._dlq:
+        if len(entries) >= _BACKLOG or self._dlq:
             self._kick.set()  # more waits: the next round at once
         return ok
 
