@@ -194,6 +194,11 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_
                 code, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")
                 return (code == 200) == expected and body["ready"] == expected
 
+            # Ready, and the group's assignment restored: ready came before it (nothing assigned, nothing
+            # restoring) and a clean-clone CI run stopped the broker as the assignment arrived, its three
+            # partitions then restoring until the broker came back (as they should: a restore waits for it).
+            await wait_until(lambda: bridge.health is not None and bridge.health.ready and all(
+                bridge.consumer.owns(f"in-{unique}", p) for p in range(3)), within=30, what="ready, restored")
             await wait_until(lambda: ready_is(True), within=30, what="ready")
             await asyncio.to_thread(broker.stop)
             await wait_until(lambda: ready_is(False), within=30, what="not ready without a broker")
