@@ -612,6 +612,29 @@ async def test_a_round_reads_past_what_it_holds_without_building_it(tmp_path: Pa
         await store.close()
 
 
+async def test_a_round_reads_a_bounded_number_of_bytes_and_the_next_rounds_the_rest(tmp_path: Path) -> None:
+    """A backlog of large tasks is read a round's bytes at a time, not 5,000 tasks at once (a record may be 8 MiB:
+    tens of gigabytes, read again at every restart); the next reads take the rest, each state once."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        await local.set_home(HOME, HomeState.ACTIVE)
+        large = [type(t)(**{**t.__dict__, "payload": bytes([i]) * 1_000_000})
+                 for i, t in enumerate(on("src", 0, i) for i in range(12))]
+        for task in large:
+            await store.submit(task)
+        rounds: list[list[int]] = []  # the sizes of each read's records
+        read: list[str] = []
+        while entries := await local.outbox(5000, max_bytes=4_000_000):
+            rounds.append([len(e.value or b"") for e in entries])
+            read += [e.task_id for e in entries]
+            await local.mark_logged(entries)
+        assert len(rounds) == 4  # 1.33 MB records (base64): three a read, the last past the bound
+        assert all(sum(sizes[:-1]) < 4_000_000 <= sum(sizes) for sizes in rounds)
+        assert sorted(read) == sorted(t.id for t in large)  # each once, none left behind
+    finally:
+        await store.close()
+
+
 class _CountingIndex(LocalIndex):
     """The real index; how many task ids the waiters asked the store about."""
 

@@ -23,6 +23,10 @@ from bridge.store.queries import q
 from bridge.store.tasks import Store
 
 Home = tuple[str, int]
+# A round's records read at most this many bytes (the last one read may pass it; one is always read): 5,000 tasks
+# of 1 KB payloads are ~11 MB, but a backlog of large ones (a record may be 8 MiB) read 5,000 at once held tens of
+# gigabytes, and every restart read them again.
+ROUND_BYTES = 16 * 1024 * 1024
 
 class HomeState(Enum):
     """A partition's tasks in this file: this instance's to run (`ACTIVE`), being handed over (`LEAVING`: nothing
@@ -61,24 +65,39 @@ def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute(q("restore_guard_off"))
 
 
+def _entries_within(rows: sqlite3.Cursor, max_bytes: int) -> list[Entry]:
+    """The outbox's rows as entries until their records reach `max_bytes` (the last one may pass it): the rest in
+    the next round."""
+    entries, size = [], 0
+    try:
+        for task_id, topic, partition, version, payload, record in rows:
+            value = with_payload(record.encode(), payload)
+            entries.append(Entry(task_id, (topic, partition), version, value))
+            size += len(value)
+            if size >= max_bytes:
+                break
+    finally:
+        rows.close()
+    return entries
+
+
 class LocalIndex:
     def __init__(self, store: Store) -> None:
         self.store = store
 
     # ---- writing side ----------------------------------------------------------------------------------
 
-    async def outbox(self, limit: int, skip: Iterable[str] = (), sent: Iterable[tuple[str, int]] = ()) -> list[Entry]:
-        """Up to `limit` unlogged states, but any of the tasks in `skip` and the states `sent` (task id, version):
-        both left out before they are built."""
+    async def outbox(self, limit: int, skip: Iterable[str] = (), sent: Iterable[tuple[str, int]] = (),
+                     max_bytes: int = ROUND_BYTES) -> list[Entry]:
+        """Up to `limit` unlogged states and about `max_bytes` of records (ROUND_BYTES), but any of the tasks in
+        `skip` and the states `sent` (task id, version): both left out before they are built."""
         params = {"limit": limit, "skip": orjson.dumps(list(skip)).decode(),
                   "sent": orjson.dumps([f"{task_id} {version}" for task_id, version in sent]).decode()}
 
         def read(conn: sqlite3.Connection) -> list[Entry]:
             # Each record built by SQLite, attempts and redrives in (its steps give the GIL up, Python's encoding
             # of the same held it: 2-3x the time, while the lanes wait), the payload spliced in base64 here.
-            rows = conn.execute(q("changelog_outbox_records"), params).fetchall()
-            return [Entry(task_id, (topic, partition), version, with_payload(record.encode(), payload))
-                    for task_id, topic, partition, version, payload, record in rows]
+            return _entries_within(conn.execute(q("changelog_outbox_records"), params), max_bytes)
 
         # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
         # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from bridge.aio import Backoff
 from bridge.changelog.calls import ProducerCalls
 from bridge.changelog.holds import Holds
-from bridge.changelog.local import Entry, Home, LocalIndex
+from bridge.changelog.local import ROUND_BYTES, Entry, Home, LocalIndex
 from bridge.changelog.transaction import (
     CALL_TIMEOUT,
     COMMIT_PATIENCE,
@@ -45,7 +45,8 @@ from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
-# A round that found this many: a backlog builds, the next round starts at once rather than after `interval` (a
+# A round that found this many (or a round's bytes, local.ROUND_BYTES): a backlog builds, the next round starts
+# at once rather than after `interval` (a
 # wait there, with rounds only starting at once after a full batch, left the writer a fifth idle on the failure
 # path while its backlog grew: bench_kafka failure).
 _BACKLOG = 500
@@ -233,7 +234,7 @@ class ChangelogWriter:
             return True
         work = Round(dlq, entries, offsets=offsets, read_ended=work_read, idle=idle)
         ok = await self._transaction(work)
-        if len(entries) >= _BACKLOG or self._dlq:
+        if len(entries) >= _BACKLOG or sum(len(e.value or b"") for e in entries) >= ROUND_BYTES or self._dlq:
             self._kick.set()  # more waits: the next round at once
         return ok
 
