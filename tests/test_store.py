@@ -583,3 +583,17 @@ async def test_a_batch_stored_at_once_is_the_rows_one_by_one_would_be(tmp_path: 
     finally:
         await at_once.close()
         await one_by_one.close()
+
+
+async def test_a_dlq_batch_reads_a_bounded_number_of_payload_bytes_and_the_next_the_rest(store: Store) -> None:
+    """500 DEAD tasks of large payloads were read at once for a DLQ batch (gigabytes, read again after each
+    restart); a batch now stops at about its bytes, and the reads after it, skipping what is on its way, take
+    the rest, each once."""
+    tasks = [dataclasses.replace(failure(dead=ErrorInfo("Permanent", "no"), now=T0 + i), payload=bytes([i]) * 1_000_000)
+             for i in range(10)]
+    assert await store.submit_many(tasks) == [None] * 10
+    batches: list[list[str]] = []
+    while entries := await store.dlq_outbox_entries(500, skip=[i for b in batches for i in b], max_bytes=3_000_000):
+        batches.append([e.task.id for e in entries])
+    assert [len(b) for b in batches] == [3, 3, 3, 1]
+    assert sorted(i for b in batches for i in b) == sorted(t.id for t in tasks)

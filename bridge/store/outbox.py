@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from bridge.model import Task
 from bridge.store.database import Database, dict_rows
 from bridge.store.queries import q
 from bridge.store.reads import attempts_of_many
+
+BATCH_PAYLOAD_BYTES = 16 * 1024 * 1024  # a DLQ batch's payloads read at once, at most about this many bytes
 
 
 class OutboxEntry(NamedTuple):
@@ -27,6 +29,21 @@ def _with_rare_fields(body: str, late_result_of: int | None, note: str | None) -
     if note is not None:
         rare["note"] = note
     return body[:-1] + "," + json.dumps(rare, ensure_ascii=False, separators=(",", ":"))[1:]
+
+
+def _rows_within(cursor: sqlite3.Cursor, max_bytes: int) -> list[dict[str, Any]]:
+    """A query's rows as dicts (`dict_rows`) until their payloads reach `max_bytes` (the last one may pass it)."""
+    names = [d[0] for d in cursor.description]
+    rows, size = [], 0
+    try:
+        for row in cursor:
+            rows.append(dict(zip(names, row, strict=True)))
+            size += len(rows[-1]["payload"] or b"")
+            if size >= max_bytes:
+                break
+    finally:
+        cursor.close()
+    return rows
 
 
 class DlqOutbox:
@@ -50,14 +67,15 @@ class DlqOutbox:
         # after its mark committed, so a later read sees it published.
         return await self.db.scan(read)
 
-    async def dlq_outbox_entries(self, limit: int = 500, now: int | None = None,
-                                 skip: Iterable[str] = ()) -> list[OutboxEntry]:
+    async def dlq_outbox_entries(self, limit: int = 500, now: int | None = None, skip: Iterable[str] = (),
+                                 max_bytes: int = BATCH_PAYLOAD_BYTES) -> list[OutboxEntry]:
         """What `dlq_outbox` reads, for the publisher: each task's attempts left encoded. Decoding 5 attempts per
-        task into objects and encoding them again was most of the outbox read's time (bench_kafka dlq)."""
+        task into objects and encoding them again was most of the outbox read's time (bench_kafka dlq). At most
+        about `max_bytes` of payloads (one task at least): 500 large tasks at once held gigabytes."""
         params = self._outbox_params(limit, now, skip)
 
         def read(conn: sqlite3.Connection) -> list[OutboxEntry]:
-            rows = dict_rows(conn.execute(q("dlq_outbox"), params))
+            rows = _rows_within(conn.execute(q("dlq_outbox"), params), max_bytes)
             attempts: dict[str, list[str]] = {}
             ids = {"ids": json.dumps([r["id"] for r in rows])}
             for task_id, body, late_result_of, note in conn.execute(q("attempts_json_of_many"), ids):
