@@ -19,6 +19,7 @@ import orjson
 from bridge.changelog.codec import encode, with_payload
 from bridge.changelog.picking import ATTEMPT_ROW, REDRIVE_ROW, TASK_ROW, Picked, Record, Row, pick_last
 from bridge.store.bulk import insert_rows
+from bridge.store.database import within_bytes
 from bridge.store.queries import q
 from bridge.store.tasks import Store
 
@@ -65,22 +66,6 @@ def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
         conn.execute(q("restore_guard_off"))
 
 
-def _entries_within(rows: sqlite3.Cursor, max_bytes: int) -> list[Entry]:
-    """The outbox's rows as entries until their records reach `max_bytes` (the last one may pass it): the rest in
-    the next round."""
-    entries, size = [], 0
-    try:
-        for task_id, topic, partition, version, payload, record in rows:
-            value = with_payload(record.encode(), payload)
-            entries.append(Entry(task_id, (topic, partition), version, value))
-            size += len(value)
-            if size >= max_bytes:
-                break
-    finally:
-        rows.close()
-    return entries
-
-
 class LocalIndex:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -97,7 +82,10 @@ class LocalIndex:
         def read(conn: sqlite3.Connection) -> list[Entry]:
             # Each record built by SQLite, attempts and redrives in (its steps give the GIL up, Python's encoding
             # of the same held it: 2-3x the time, while the lanes wait), the payload spliced in base64 here.
-            return _entries_within(conn.execute(q("changelog_outbox_records"), params), max_bytes)
+            with contextlib.closing(conn.execute(q("changelog_outbox_records"), params)) as rows:
+                entries = (Entry(task_id, (topic, partition), version, with_payload(record.encode(), payload))
+                           for task_id, topic, partition, version, payload, record in rows)
+                return within_bytes(entries, lambda e: len(e.value or b""), max_bytes)
 
         # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
         # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).

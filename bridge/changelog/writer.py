@@ -46,9 +46,8 @@ from bridge.telemetry.core import Telemetry
 log = logging.getLogger(__name__)
 _BATCH = 5000  # outbox rows per transaction
 # A round that found this many (or a round's bytes, local.ROUND_BYTES): a backlog builds, the next round starts
-# at once rather than after `interval` (a
-# wait there, with rounds only starting at once after a full batch, left the writer a fifth idle on the failure
-# path while its backlog grew: bench_kafka failure).
+# at once rather than after `interval` (a wait there, with rounds only starting at once after a full batch, left
+# the writer a fifth idle on the failure path while its backlog grew: bench_kafka failure).
 _BACKLOG = 500
 _ABORT_TRIES = 5  # aborts failed in a row: the producer is replaced
 _ROUND_TRIES = 5  # rounds failed in a row (not fenced), each aborted cleanly: the producer is replaced

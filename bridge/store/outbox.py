@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from bridge.model import Task
-from bridge.store.database import Database, dict_rows
+from bridge.store.database import Database, dict_rows, iter_dict_rows, within_bytes
 from bridge.store.queries import q
 from bridge.store.reads import attempts_of_many
 
@@ -29,21 +30,6 @@ def _with_rare_fields(body: str, late_result_of: int | None, note: str | None) -
     if note is not None:
         rare["note"] = note
     return body[:-1] + "," + json.dumps(rare, ensure_ascii=False, separators=(",", ":"))[1:]
-
-
-def _rows_within(cursor: sqlite3.Cursor, max_bytes: int) -> list[dict[str, Any]]:
-    """A query's rows as dicts (`dict_rows`) until their payloads reach `max_bytes` (the last one may pass it)."""
-    names = [d[0] for d in cursor.description]
-    rows, size = [], 0
-    try:
-        for row in cursor:
-            rows.append(dict(zip(names, row, strict=True)))
-            size += len(rows[-1]["payload"] or b"")
-            if size >= max_bytes:
-                break
-    finally:
-        cursor.close()
-    return rows
 
 
 class DlqOutbox:
@@ -75,7 +61,8 @@ class DlqOutbox:
         params = self._outbox_params(limit, now, skip)
 
         def read(conn: sqlite3.Connection) -> list[OutboxEntry]:
-            rows = _rows_within(conn.execute(q("dlq_outbox"), params), max_bytes)
+            with contextlib.closing(conn.execute(q("dlq_outbox"), params)) as cursor:
+                rows = within_bytes(iter_dict_rows(cursor), lambda row: len(row["payload"] or b""), max_bytes)
             attempts: dict[str, list[str]] = {}
             ids = {"ids": json.dumps([r["id"] for r in rows])}
             for task_id, body, late_result_of, note in conn.execute(q("attempts_json_of_many"), ids):
