@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from bridge.changelog.codec import SCHEMA, Unreadable, decode
-from bridge.changelog.local import HomeState, LocalIndex
+from bridge.changelog.local import Entry, HomeState, LocalIndex
 from bridge.model import ErrorInfo, NewTask, Outcome, Status
 from bridge.store.tasks import Store
 from tests.helpers import T0, failure, report
@@ -529,7 +529,6 @@ async def test_a_restore_puts_back_every_field_its_records_hold(tmp_path: Path) 
 async def test_a_mark_never_takes_a_logged_version_back_and_marks_only_what_it_names(tmp_path: Path) -> None:
     """mark_logged is one statement for the whole round: a task named twice counts its higher version, an older
     acknowledgement after a newer one changes nothing, a task not named stays in the outbox."""
-    from bridge.changelog.local import Entry
 
     store, local = await scoped_store(tmp_path)
     try:
@@ -557,7 +556,6 @@ async def test_a_state_sent_is_held_from_the_outbox_until_a_read_sees_its_mark()
     committed, the state sent — or an older one, a DEAD task's before its "published" record — is not read again;
     a newer state is; a hold superseded by a newer send stays until that one's mark."""
     from bridge.changelog.holds import Holds
-    from bridge.changelog.local import Entry
 
     def entry(task: str, version: int) -> Entry:
         return Entry(task, HOME, version, b"{}")
@@ -580,6 +578,51 @@ async def test_a_state_sent_is_held_from_the_outbox_until_a_read_sees_its_mark()
     second.set_exception(RuntimeError("disk full"))  # a failed mark: sent again, the same state
     await holds.settled()
     assert holds.unsent([entry("t", 5)]) == [entry("t", 5)]
+
+
+class _PausedIndex(LocalIndex):
+    """The real index, whose outbox reads pause (their SQLite read done) until `gate` is set."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.reading, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def outbox(self, *args: Any, **kwargs: Any) -> list[Entry]:
+        entries = await super().outbox(*args, **kwargs)
+        self.reading.set()
+        await self.gate.wait()
+        return entries
+
+
+async def test_a_hold_released_during_a_read_still_filters_that_read(tmp_path: Path) -> None:
+    """A DEAD task's "published" state is sent and held; a round's read begins before the mark of the state before
+    it commits, and a flush's `settled` releases the hold while that read runs: the read's stale unpublished state
+    is still dropped. Sent after the published one, it was the changelog's last word, and the next owner, restoring
+    it, dead-lettered the task again (the rolling restart's DLQ duplicates, one run in ten)."""
+    from bridge.changelog.holds import Holds
+
+    store = await Store.open(tmp_path / "rdq.db", scoped=True)
+    local = _PausedIndex(store)
+    await local.set_changelogged(["src"])
+    try:
+        await local.set_home(HOME, HomeState.ACTIVE)
+        task = on("src", 0, 1)
+        await store.submit(task)
+        local.gate.set()
+        [dead] = await local.outbox(10)  # the state before the publish (version 1 here), not logged yet
+        local.gate.clear()
+        holds, mark = Holds(), asyncio.get_running_loop().create_future()
+        holds.sent([Entry(task.id, HOME, dead.version + 1, b"{}")], mark)  # the published state, in the changelog
+        reading = asyncio.ensure_future(holds.read(local, 10, skip=[]))
+        await local.reading.wait()  # its snapshot: the state before the publish, unlogged
+        await local.mark_logged([dead])
+        mark.set_result(None)
+        await holds.settled()  # a flush, meanwhile: the hold goes
+        local.gate.set()
+        entries, _ = await reading
+        assert [(e.task_id, e.version) for e in entries] == []
+    finally:
+        await store.close()
 
 
 async def test_a_round_reads_past_what_it_holds_without_building_it(tmp_path: Path) -> None:

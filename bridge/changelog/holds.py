@@ -5,7 +5,8 @@ sixth of the writer's time. Until a mark is visible to an outbox read, the recor
 outbox read drops a task's state at or below the version held for it, so nothing is sent twice — above all not
 a DEAD task's state from before its DLQ publish after the "published" one (the changelog's last word would
 then say unpublished, and a restore elsewhere would dead-letter the task again). A hold is released at the start
-of the first read after its mark committed (a read begun earlier may not see the mark), never before.
+of the first read after its mark committed (a read begun earlier may not see the mark), never before; and a read
+filters with the holds it began with, even when another read (a flush's) released one meanwhile.
 """
 
 from __future__ import annotations
@@ -49,20 +50,24 @@ class Holds:
         committed yet were nearly half of the read's work on the failure path). True: nothing is unlogged, not
         even a state held."""
         self.before_read()
-        held = list(self._held.items())
-        read = await local.outbox(limit, skip=skip, sent=held)
+        held = dict(self._held)
+        read = await local.outbox(limit, skip=skip, sent=held.items())
         read += await local.tombstones(limit)
-        return self.unsent(read), not read and not held
+        # Filtered with the holds as they stood when the read began, as well as now: another caller (a flush's
+        # `settled`) may release a hold while this read runs, whose snapshot can predate that hold's mark.
+        return self.unsent(read, held), not read and not held
 
     def holds(self, task_id: str) -> bool:
         """Sent, and its mark not seen committed by a read yet."""
         return task_id in self._held
 
-    def unsent(self, entries: list[Entry]) -> list[Entry]:
-        """Of an outbox read, the states not already in the changelog."""
-        if not self._held:
+    def unsent(self, entries: list[Entry], held_at_start: dict[str, int] | None = None) -> list[Entry]:
+        """Of an outbox read, the states not already in the changelog. `held_at_start`: the holds when the read
+        began (a hold released during the read still applies to it)."""
+        before = held_at_start or {}
+        if not self._held and not before:
             return entries
-        return [e for e in entries if e.task_id not in self._held or e.version > self._held[e.task_id]]
+        return [e for e in entries if e.version > max(self._held.get(e.task_id, -1), before.get(e.task_id, -1))]
 
     async def settled(self) -> None:
         """Every mark made so far committed (or failed)."""
