@@ -678,6 +678,28 @@ async def test_a_round_reads_a_bounded_number_of_bytes_and_the_next_rounds_the_r
         await store.close()
 
 
+async def test_the_premigration_reads_a_bounded_number_of_bytes_and_each_task_once(tmp_path: Path) -> None:
+    """A file from before the changelog is written to it at the first start a bounded read at a time, as a round
+    is: its large tasks were read 5,000 at once (gigabytes, again at every start until written)."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        large = [type(t)(**{**t.__dict__, "payload": bytes([i]) * 1_000_000})
+                 for i, t in enumerate(on("src", i % 3, i) for i in range(12))]
+        for task in large:
+            await store.submit(task)
+        await store.db.write(lambda c: c.execute("UPDATE tasks SET logged_version = -1"))  # as migration 0005 left them
+        reads: list[list[int]] = []
+        read: list[str] = []
+        while entries := await local.premigration(5000, max_bytes=4_000_000):
+            reads.append([len(e.value or b"") for e in entries])
+            read += [e.task_id for e in entries]
+            await local.mark_logged(entries)
+        assert len(reads) == 4 and all(sum(sizes[:-1]) < 4_000_000 <= sum(sizes) for sizes in reads)
+        assert sorted(read) == sorted(t.id for t in large)
+    finally:
+        await store.close()
+
+
 class _CountingIndex(LocalIndex):
     """The real index; how many task ids the waiters asked the store about."""
 

@@ -91,11 +91,15 @@ class LocalIndex:
         # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).
         return await self.store.db.scan(read)
 
-    async def premigration(self, limit: int) -> list[Entry]:
-        """Tasks stored before the changelog existed (any partition): the first start writes them to it."""
+    async def premigration(self, limit: int, max_bytes: int = ROUND_BYTES) -> list[Entry]:
+        """Tasks stored before the changelog existed (any partition): the first start writes them to it. Up to
+        `limit` of them and about `max_bytes` of records, as a round reads (a file of large tasks is not read
+        5,000 at once: gigabytes, again at every start until written)."""
 
         def read(conn: sqlite3.Connection) -> list[Entry]:
-            return [self._entry(conn, row) for row in conn.execute(q("premigration_outbox"), {"limit": limit})]
+            with contextlib.closing(conn.execute(q("premigration_outbox"), {"limit": limit})) as rows:
+                entries = (self._entry(conn, row) for row in rows)
+                return within_bytes(entries, lambda e: len(e.value or b""), max_bytes)
 
         return await self.store.db.read(read)
 
