@@ -227,3 +227,21 @@ def test_neither_check_config_nor_run_prints_a_misplaced_token(tmp_path: Path) -
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert "workers.token" in done.stderr and TOKEN not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize(("producer", "expected"), [
+    ({}, {"compression.type": "lz4"}),  # the default: the changelog's JSON records, lz4
+    ({"compression.type": "zstd"}, {"compression.type": "zstd"}),  # the team's choice wins
+    ({"compression.codec": "none"}, {"compression.codec": "none"}),  # librdkafka's other name for it, too
+])
+def test_the_changelog_producer_compresses_with_lz4_unless_the_config_says_otherwise(
+        tmp_path: Path, producer: dict[str, str], expected: dict[str, str]) -> None:
+    from bridge.kafka_clients import changelog_producer_config
+
+    tree = yaml.safe_load(SPEC_MINIMAL)
+    tree["kafka"]["producer"] = producer
+    config = load_config(write(tmp_path, yaml.safe_dump(tree)), environ={})
+    settings = changelog_producer_config(config, 1_000_000)
+    chosen = {k: v for k, v in settings.items() if k in ("compression.type", "compression.codec")}
+    assert chosen == expected
+    assert settings["transactional.id"].startswith("rdq-orders-bridge-") and settings["enable.idempotence"] is True
