@@ -151,8 +151,8 @@ def test_a_note_travels_with_its_attempt_and_older_records_without_one_still_rea
                 redrive_count=0, lease_token=1, created_at=1, life_started_at=1, headers="{}", payload=b"x")
     rows = [{**plain.params("t1"), "seq": 1}, {**noted.params("t1"), "seq": 2}]
     restored = decode(b"t1", encode(task, rows, [], 3))
-    assert [a["note"] for a in restored.attempts] == [None, noted.note]
+    assert [a.note for a in restored.attempts] == [None, noted.note]
     old = json.loads(encode(task, rows, [], 3))
     for attempt in old["attempts"]:
         del attempt["note"]
-    assert [a.get("note") for a in decode(b"t1", json.dumps(old).encode()).attempts] == [None, None]  # it reads
+    assert [a.note for a in decode(b"t1", json.dumps(old).encode()).attempts] == [None, None]  # it reads

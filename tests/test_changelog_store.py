@@ -330,6 +330,56 @@ def test_decode_refuses_what_it_cannot_read() -> None:
             decode(key, value)
 
 
+def test_decode_reads_each_field_as_the_store_types_it() -> None:
+    """Decoding checks a column's type, strictly: a value the store would take as something else (a digit string,
+    a float, a bool for an integer) or not at all (an object in a column: it failed the whole restore batch) makes
+    the record unreadable, quarantined and kept, not a state read wrongly. A newer release's record of another
+    shape is refused for its schema, so the error says what to do (roll forward)."""
+    attempt = {"seq": 1, "attempt_no": 1, "redrive_no": 0, "started_at": 1, "finished_at": 2,
+               "outcome": "RETRYABLE_FAILURE", "error_type": "E", "error_message": "m", "error_stack": None,
+               "worker": "w", "late_result_of": None}
+    good = {"schema": SCHEMA, "version": 1, "attempts": [attempt], "redrives": [], "task": {
+        "id": "T1", "queue": "q", "handler_ref": "h", "status": "PENDING", "attempt_count": 1, "redrive_count": 0,
+        "lease_token": 0, "next_attempt_at": 1, "created_at": 1, "life_started_at": 1, "headers": {"n": 5},
+        "payload": ""}}
+    restored = decode(b"T1", json.dumps(good).encode())
+    assert restored.task["attempt_count"] == 1 and restored.task["headers"] == '{"n":"5"}'
+    assert restored.task["payload"] == b""
+    task, bad_attempts = good["task"], [
+        {**attempt, "seq": True}, {**attempt, "started_at": 1.0}, {**attempt, "outcome": "MAYBE"},
+        {**attempt, "error_message": ["a", "list"]}, {k: v for k, v in attempt.items() if k != "worker"}]
+    bad_tasks = [{"attempt_count": "3"}, {"attempt_count": 3.0}, {"redrive_count": False}, {"lease_owner": {"a": 1}},
+                 {"order_seq": "2"}, {"status": "pending"}, {"dlq_state": "SENT"}, {"id": 1}]
+    for record in ([{**good, "task": {**task, **change}} for change in bad_tasks]
+                   + [{**good, "attempts": [change]} for change in bad_attempts]):
+        with pytest.raises(Unreadable):
+            decode(b"T1", json.dumps(record).encode())
+    with pytest.raises(Unreadable, match=r"unknown schema 'rdq\.task/v3'"):
+        decode(b"T1", json.dumps({"schema": "rdq.task/v3", "state": {}}).encode())
+
+
+def test_a_restored_history_is_what_decoding_checked() -> None:
+    """The history is kept as one value, read back by SQLite's JSON functions: written again from what was decoded,
+    so a duplicate key (SQLite and the decoder could each take another of the two) or a foreign spelling is gone."""
+    from bridge.store.history import unpacked
+
+    attempt = ('{"seq": 1, "seq": 7, "attempt_no": 1, "redrive_no": 0, "started_at": 1, "finished_at": 2, '
+               '"outcome": "SUCCESS", "error_type": null, "error_message": "\\u00e9", "error_stack": null, '
+               '"worker": "w", "late_result_of": null}')
+    task = {"id": "T1", "queue": "q", "handler_ref": "h", "status": "SUCCEEDED", "attempt_count": 1,
+            "redrive_count": 0, "lease_token": 0, "created_at": 1, "life_started_at": 1, "finished_at": 2,
+            "payload": ""}
+    value = (f'{{"schema": "{SCHEMA}", "version": 2, "redrives": [], "task": {json.dumps(task)}, '
+             f'"attempts": [{attempt}]}}')
+    restored = decode(b"T1", value.encode())
+    assert [a.seq for a in restored.attempts] == [7]
+    assert json.loads(unpacked(restored.history) or "") == [{
+        "seq": 7, "attempt_no": 1, "redrive_no": 0, "started_at": 1, "finished_at": 2, "outcome": "SUCCESS",
+        "error_type": None, "error_message": "é", "error_stack": None, "worker": "w", "late_result_of": None,
+        "note": None}]
+    assert '"seq":1' not in (unpacked(restored.history) or "")
+
+
 async def _logged_records(store: Store, local: LocalIndex, *tasks: NewTask) -> dict[str, dict]:
     """Each task's changelog record (as JSON) after it was stored and logged here."""
     await local.set_home(HOME, HomeState.ACTIVE)

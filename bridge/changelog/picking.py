@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from bridge.changelog.codec import Restored, Unreadable, decode
@@ -25,7 +25,8 @@ TASK_ROW = ("id", "queue", "handler_ref", "handler_version", "payload", "payload
 ATTEMPT_ROW = ("task_id", "seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
                "error_message", "error_stack", "worker", "late_result_of", "note")
 REDRIVE_ROW = ("task_id", "redrive_no", "at", "by", "request_id", "key_id")
-_task_row, _attempt_row, _redrive_row = (itemgetter(*names) for names in (TASK_ROW, ATTEMPT_ROW, REDRIVE_ROW))
+_task_row, _redrive_row = (itemgetter(*names) for names in (TASK_ROW, REDRIVE_ROW))
+_attempt_row = attrgetter(*ATTEMPT_ROW[1:])
 
 
 class Row(NamedTuple):
@@ -41,7 +42,9 @@ class Row(NamedTuple):
 
     @classmethod
     def of(cls, restored: Restored) -> Row:
-        attempts = () if restored.history is not None else tuple(_attempt_row(a) for a in restored.attempts)
+        task_id = restored.task["id"]
+        attempts = () if restored.history is not None else tuple(
+            (task_id, *_attempt_row(a)) for a in restored.attempts)
         return cls((*_task_row(restored.task), restored.version), restored.version, restored.task["source_ref"],
                    restored.history if restored.attempts else None, attempts,
                    tuple(_redrive_row(r) for r in restored.redrives))
