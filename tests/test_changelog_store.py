@@ -356,6 +356,9 @@ def test_decode_reads_each_field_as_the_store_types_it() -> None:
             decode(b"T1", json.dumps(record).encode())
     with pytest.raises(Unreadable, match=r"unknown schema 'rdq\.task/v3'"):
         decode(b"T1", json.dumps({"schema": "rdq.task/v3", "state": {}}).encode())
+    with pytest.raises(Unreadable) as refused:  # the refused value is quoted, not a megabyte of it
+        decode(b"T1", json.dumps({**good, "task": {**task, "status": "X" * 100_000}}).encode())
+    assert len(str(refused.value)) < 300 and str(refused.value).endswith("at `$.task.status`")
 
 
 def test_a_restored_history_is_what_decoding_checked() -> None:

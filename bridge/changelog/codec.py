@@ -166,7 +166,7 @@ def decode(key: bytes | None, value: bytes) -> Restored:
     if not body.handler_ref:
         raise Unreadable("the task has no handler_ref")
     if key is not None and key.decode("utf-8", "replace") != body.id:
-        raise Unreadable(f"the record key {key!r} is not the task id {body.id!r}")
+        raise Unreadable(f"the record key {key[:80]!r} is not the task id {body.id[:80]!r}")
     _check_state(body)
     _check_attempts(record.attempts)
     headers = body.headers or {}
@@ -195,7 +195,17 @@ def _why_not(value: bytes, error: Exception) -> str:
     schema = record.get("schema") if isinstance(record, dict) else None
     if schema not in READABLE:
         return _unknown_schema(schema)
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {_bounded(str(error))}"
+
+
+def _bounded(message: str, most: int = 200) -> str:
+    """msgspec's message quotes the value it refused whole (a status of a megabyte would be logged and kept so):
+    cut to `most` characters, keeping where it was (" - at `$.task.status`")."""
+    if len(message) <= most:
+        return message
+    at = message.rfind(" - at `")
+    where = message[at:] if at >= 0 else ""
+    return message[: max(most - len(where), 40)] + "…" + where
 
 
 def _unknown_schema(schema: object) -> str:
