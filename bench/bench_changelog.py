@@ -4,11 +4,12 @@ failure path.
     python -m bench.bench_changelog restore [--n 100000] [--partitions 1]   # tasks with 5 attempts each
     python -m bench.bench_changelog restore --n 1000000 --partitions 12    # all restored at once, one store
     python -m bench.bench_changelog apply [--n 300000]     # the store's apply alone (no Kafka), 12 partitions
+    python -m bench.bench_changelog decode [--n 20000]     # a record's decode alone (no Kafka, no store)
     python -m bench.bench_changelog overhead [--n 20000]   # bench_kafka's failure path, changelog off vs on
     python -m bench.bench_changelog ready [--n 5]          # a restart's time to ready: 24 partitions, n tasks each
 
 Each appends its figures to bench/RESULTS.md. Uses KAFKA_BOOTSTRAP_SERVERS, else starts the local broker (not
-`apply`).
+`apply` and `decode`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import pickle
 import statistics
 import tempfile
 import time
@@ -27,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import orjson
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.bench_kafka import PAYLOAD, bench_config, broker, produce, regrouped, run_bridge_until
@@ -250,6 +253,33 @@ async def bench_apply(n: int, partitions: int = 12, attempts: int = 5) -> None:
     ])
 
 
+def bench_decode(n: int, attempts: int = 5) -> None:
+    """A changelog record's decode alone, on one thread: `codec.decode` (parse, check, the task's row, the history
+    packed), and what the decoding process does to a batch (`pick_last`, then pickled to be sent back), against
+    parsing the same bytes into Python objects and nothing else (`orjson.loads`). CPU time, best of three."""
+    records = [(i, *task_record(i, "t", attempts)) for i in range(n)]
+
+    def best(step: Callable[[], object]) -> float:
+        spent = []
+        for _ in range(3):
+            began = time.process_time()
+            step()
+            spent.append(time.process_time() - began)
+        return min(spent) / n * 1e6
+
+    parse = best(lambda: [orjson.loads(value) for _, _, value in records])
+    decoded = best(lambda: [decode(key, value) for _, key, value in records])
+    picked = best(lambda: pickle.dumps(pick_last(records, 0, False)))
+    record("changelog restore: a record's decode alone, no Kafka, no store", [
+        f"records: {n}, {attempts} attempts each, ~{statistics.mean(len(v) for _, _, v in records[:100]) / 1000:.1f} "
+        "KB a record",
+        f"baseline: orjson.loads alone (parse, no checks):  {parse:6.2f} us a record",
+        f"decode (parse, check, row, history packed):     {decoded:6.2f} us a record  ratio {decoded / parse:.2f} of "
+        "the parse",
+        f"a batch as the decoding process does it (pick_last, pickled to be sent back): {picked:6.2f} us a record",
+    ])
+
+
 async def failure_run(config: BridgeConfig, n: int) -> tuple[float, Bridge]:
     registry = Registry()
 
@@ -355,13 +385,15 @@ async def bench_ready(bootstrap: str, per_partition: int, runs: int = 3) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["restore", "apply", "overhead", "ready", "all"])
+    parser.add_argument("which", choices=["restore", "apply", "decode", "overhead", "ready", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--partitions", type=int, default=1, help="restore: the tasks spread over this many")
     args = parser.parse_args()
-    if args.which in ("apply", "all"):  # no broker needed
+    if args.which in ("decode", "all"):  # no broker needed
+        bench_decode(args.n or 20_000)
+    if args.which in ("apply", "all"):
         asyncio.run(bench_apply(args.n or 300_000))
-    if args.which == "apply":
+    if args.which in ("apply", "decode"):
         return
     with broker() as bootstrap:
         if args.which == "restore":

@@ -35,6 +35,7 @@ ROWS = {
     "changelog-restore": ["bench.bench_changelog", "restore", "--n", "300"],
     "changelog-restore-partitions": ["bench.bench_changelog", "restore", "--n", "300", "--partitions", "3"],
     "changelog-apply": ["bench.bench_changelog", "apply", "--n", "2400"],
+    "changelog-decode": ["bench.bench_changelog", "decode", "--n", "300"],
     "changelog-overhead": ["bench.bench_changelog", "overhead", "--n", "300"],
     "changelog-ready": ["bench.bench_changelog", "ready", "--n", "1"],
     "processes": ["bench.bench_processes", "all", "--n", "300", "--runs", "1"],
