@@ -32,7 +32,8 @@ from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.ends import Results
+from bridge.source.first_delivery import FirstDelivery
 from bridge.source.lanes import Lane
 from bridge.source.offsets import PartitionTracker
 from bridge.store.bulk import insert_rows
@@ -330,10 +331,10 @@ async def _through_a_lane(delivery: FirstDelivery, batches: list[list[SourceReco
     finished = asyncio.Event()
     seen = 0
 
-    def on_results(lane: Lane, results: list[Ran]) -> None:
+    def on_results(lane: Lane, results: Results) -> None:
         nonlocal seen
         delivery.count("q", results)
-        tracker.done_many([ran.record.offset for ran in results if ran.task is None])
+        tracker.done_many(results.done_offsets())
         seen += len(results)
         if seen >= n:
             finished.set()

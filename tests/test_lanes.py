@@ -22,7 +22,8 @@ from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status
 from bridge.records import SourceRecord
 from bridge.registry import Registry
-from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.ends import Ran, Results
+from bridge.source.first_delivery import FirstDelivery
 from bridge.source.lanes import Lane
 from bridge.store.tasks import Store
 from tests.helpers import engine_config, eventually
@@ -49,8 +50,11 @@ class Rig:
         return Lane(("t", 0), "q", self.delivery, self.threads, limit, self._collect, lambda offset: False,
                     on_failure)
 
-    def _collect(self, lane: Lane, results: list[Ran]) -> None:
-        self.results.extend(results)
+    def _collect(self, lane: Lane, results: Results) -> None:
+        # A chunk's successes come as offsets: seen here as the Ran each stands for.
+        self.results.extend(results.ran)
+        self.results.extend(Ran(SourceRecord("t", 0, offset, None, b"", None, ()), "q", None, Outcome.SUCCESS, took)
+                            for offset, took in results.ok)
 
     async def close(self) -> None:
         if self.threads is not None:
@@ -185,6 +189,85 @@ async def test_a_failure_can_hold_the_lane_before_the_runner_takes_its_next_reco
     assert await eventually(lambda: len(rig.results) == 1)
     await asyncio.sleep(0.3)
     assert ran == [0] and len(rig.results) == 1 and lane.backlog == 9
+
+
+def offset_of(ctx: HandlerContext) -> int:
+    return int(ctx.source.rsplit("/", 1)[1])
+
+
+async def test_records_in_a_chunk_behind_a_hung_one_are_handed_back_and_run_by_another_runner(rig: Rig) -> None:
+    """A runner takes its records a chunk at a time (chunks double while records are fast: record 100 is in the
+    one of 63-126). The records behind a hung one in its chunk must not wait for its lease: the watchdog hands
+    them back and another runner runs them."""
+    release = threading.Event()
+
+    def hangs_on_100(ctx: HandlerContext) -> None:
+        if offset_of(ctx) == 100:
+            release.wait(30)
+
+    lane = await rig.lane(hangs_on_100, limit=2, lease="30s")
+
+    async def watchdog() -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            lane.watch(time.monotonic())
+
+    dog = asyncio.create_task(watchdog())
+    try:
+        lane.add(records(300))
+        assert await eventually(lambda: len(rig.results) == 299, within=5)
+        assert sorted(r.record.offset for r in rig.results) == [i for i in range(300) if i != 100]
+        assert all(r.task is None for r in rig.results)
+    finally:
+        dog.cancel()
+        release.set()
+    assert await eventually(lambda: len(rig.results) == 300)
+    await asyncio.sleep(0.2)
+    assert sorted(r.record.offset for r in rig.results) == list(range(300))  # each once
+
+
+async def test_the_records_of_a_chunk_before_an_abandoned_one_are_reported_once_each(rig: Rig) -> None:
+    """The watchdog ends a hung record of a chunk (its claim): the successes the runner ran before it in the same
+    chunk are still reported, each once, and the hung one's late success is not."""
+    release = threading.Event()
+
+    def hangs_on_70(ctx: HandlerContext) -> None:
+        if offset_of(ctx) == 70:
+            release.wait(30)  # never heartbeats
+
+    lane = await rig.lane(hangs_on_70, limit=1, lease="300ms")
+    await run_watched(rig, lane, 200, release)
+    await asyncio.sleep(0.3)
+    assert sorted(r.record.offset for r in rig.results) == list(range(200))
+    by_offset = {r.record.offset: r for r in rig.results}
+    hung = by_offset[70].task
+    assert hung is not None and hung.first_attempt is not None
+    assert hung.first_attempt.outcome == Outcome.LEASE_EXPIRED
+
+
+async def test_a_failure_that_holds_the_lane_mid_chunk_hands_the_rest_back_unrun(rig: Rig) -> None:
+    """max_open_tasks inside a chunk: the records after the failure that held the lane are not run; they are the
+    lane's again (its backlog and bytes), and run once it is released."""
+    ran: list[int] = []
+
+    def fails_on_100(ctx: HandlerContext) -> None:
+        ran.append(offset_of(ctx))
+        if offset_of(ctx) == 100:
+            raise ConnectionError("down")
+
+    def hold(lane: Lane, result: Ran) -> None:
+        lane.held = True
+
+    lane = await rig.lane(fails_on_100, limit=1, on_failure=hold)
+    lane.add(records(300))
+    assert await eventually(lambda: len(rig.results) == 101)
+    await asyncio.sleep(0.3)
+    assert ran == list(range(101)) and len(rig.results) == 101
+    assert lane.backlog == 199 and lane.ready_bytes == 199 * 2
+    lane.held = False
+    lane.dispatch()
+    assert await eventually(lambda: len(rig.results) == 300)
+    assert ran == list(range(300)) and lane.ready_bytes == 0
 
 
 async def test_the_failures_of_a_batch_are_stored_in_a_few_group_commits(rig: Rig) -> None:

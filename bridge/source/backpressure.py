@@ -20,7 +20,7 @@ from bridge.aio import OneThread
 from bridge.config import BridgeConfig
 from bridge.live_config import LiveConfig
 from bridge.model import Status
-from bridge.source.first_delivery import Ran
+from bridge.source.ends import Ran
 from bridge.source.lanes import Lane
 from bridge.source.partitions import Partitions, PartitionState, Phase
 from bridge.store.database import StoreError

@@ -30,7 +30,8 @@ from bridge.config import BridgeConfig
 from bridge.live_config import LiveConfig
 from bridge.records import TP, SourceRecord
 from bridge.source.backpressure import Backpressure
-from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.ends import Ran, Results
+from bridge.source.first_delivery import FirstDelivery
 from bridge.source.journal import InflightJournal
 from bridge.source.keys import OrderKeys
 from bridge.source.lanes import Lane
@@ -253,18 +254,15 @@ class SourceConsumer:
 
     # ---- the lanes' results --------------------------------------------------------------------------------
 
-    def _on_results(self, lane: Lane, results: list[Ran]) -> None:
+    def _on_results(self, lane: Lane, results: Results) -> None:
         """A lane's finished records: successes are done; failures are stored together (one group commit)."""
         state = self.partitions.get(lane.tp)
         current = state if state is not None and state.lane is lane else None
         self.delivery.telemetry.metrics.records_seen(lane.queue_name, len(results))
         self.delivery.count(lane.queue_name, results)
-        failures = [ran for ran in results if ran.task is not None]
         if current is not None:
-            if failures:
-                current.tracker.done_many([ran.record.offset for ran in results if ran.task is None])
-            else:
-                current.tracker.done_many([ran.record.offset for ran in results])
+            current.tracker.done_many(results.done_offsets())
+        failures = results.failures() if results.ran else []
         if failures:
             storing = current.storing if current is not None else self._orphans
             task = asyncio.create_task(self._store_failures(lane, current, failures), name="rdq-store-failures")

@@ -20,7 +20,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 from bridge.aio import Backoff
@@ -46,6 +45,7 @@ from bridge.model import (
 )
 from bridge.records import SourceRecord, TaskHeaders
 from bridge.registry import Handler, Registry
+from bridge.source.ends import Begun, Plan, Ran, Results, Stored
 from bridge.store.database import StoreError
 from bridge.store.tasks import Store
 from bridge.telemetry.core import Telemetry
@@ -66,40 +66,6 @@ def ordered(task: NewTask, record: SourceRecord, queue: QueueConfig) -> NewTask:
     if queue.ordering != "key" or record.key is None:
         return task
     return dataclasses.replace(task, **order_fields(record, queue))
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A first delivery's failure, stored: the task's status and id (the id the changelog is awaited on)."""
-
-    status: Status
-    task_id: str
-
-
-@dataclass(slots=True)
-class Begun:
-    """A record whose handler is about to run: its context and when it began (for the watchdog)."""
-
-    record: SourceRecord
-    queue_name: str
-    queue: QueueConfig
-    handler: Handler
-    ctx: HandlerContext
-    started_ms: int
-    began: float  # time.monotonic()
-    sampled: bool  # traced (tracing on and the sampler says so): spans are built only then
-
-
-@dataclass(slots=True)
-class Ran:
-    """A first delivery's end: `task` is what the record becomes (None: it succeeded); `outcome` and `seconds`
-    of its handler, when one ran (the attempt metrics are counted by the batch, on the loop)."""
-
-    record: SourceRecord
-    queue_name: str
-    task: NewTask | None
-    outcome: Outcome | None = None
-    seconds: float = 0.0
 
 
 class FirstDelivery:
@@ -152,7 +118,7 @@ class FirstDelivery:
             done, _ = await asyncio.wait([future], timeout=begun.queue.lease)
             if done:
                 return future.result()
-            why = self.overdue(begun, time.monotonic())
+            why = begun.overdue(time.monotonic())
             if why is not None:
                 begun.ctx.lose_lease()  # a sync handler learns at its next heartbeat()
                 future.cancel()
@@ -205,6 +171,26 @@ class FirstDelivery:
         # The task id is made only if used: read by the handler (to dedupe), or for a failure's task.
         ctx = HandlerContext(new_task_id, queue_name, 1, 0, record.value, record.content_type, headers)
         return Begun(record, queue_name, queue, handler, ctx, self.clock.now_ms(), ctx.last_beat, sampled)
+
+    def plan(self, queue_name: str) -> Plan | None:
+        """The common path's constants for a chunk of records, or None: each record goes `prepare`'s way (no queue,
+        a remote one, no handler here, an async handler, tracing on)."""
+        if self.telemetry.tracing:
+            return None
+        queue = self.config.queue(queue_name)
+        if queue is None or queue.remote:
+            return None
+        handler = self.registry.get(queue.handler)
+        if handler is None or self.is_async(handler):
+            return None
+        return Plan(queue_name, queue, handler)
+
+    def begin(self, plan: Plan, record: SourceRecord) -> Begun:
+        """`prepare` for a record of a planned chunk (not a suspect: the runner asked)."""
+        ctx = HandlerContext(new_task_id, plan.queue_name, 1, 0, record.value, record.content_type,
+                             TaskHeaders(record, True))
+        return Begun(record, plan.queue_name, plan.queue, plan.handler, ctx, self.clock.now_ms(), ctx.last_beat,
+                     False)
 
     def run_sync(self, begun: Begun) -> Ran:
         """Run a sync handler here (a handler thread) and say what it became. Never raises."""
@@ -261,17 +247,6 @@ class FirstDelivery:
             self.telemetry.end_attempt(span, result.outcome, result.error.type if result.error else None,
                                        None if result.ok else begun.ctx.task_id)
 
-    @staticmethod
-    def overdue(begun: Begun, now: float) -> str | None:
-        """Why a running handler must be abandoned now: "silent" (no heartbeat for a whole lease: hung) or
-        "timeout" (heartbeating past the queue timeout, the whole-life bound, SPEC 4.6); None: let it run."""
-        timeout = begun.queue.queue_timeout
-        if timeout is not None and now - begun.began >= timeout:
-            return "timeout"
-        if now - begun.ctx.last_beat >= begun.queue.lease:
-            return "silent"
-        return None
-
     def abandoned(self, begun: Begun, why: str) -> Ran:
         """A handler given up on (`overdue`). An async one is cancelled; a sync one's thread is counted stuck
         until it returns. Its success, if it comes, is not recorded: the record's task was never claimed, so it
@@ -302,12 +277,17 @@ class FirstDelivery:
                        headers=record.task_headers(), status=Status.PARKED, created_at=self.clock.now_ms(),
                        first_attempt=None, payload_content_type=record.content_type, **order_fields(record, queue))
 
-    def count(self, queue_name: str, results: list[Ran]) -> None:
+    def count(self, queue_name: str, results: list[Ran] | Results) -> None:
         """The attempt metrics of a batch of results (one lock, not one per record)."""
-        ran = [r for r in results if r.outcome is not None]
-        if ran:
+        if isinstance(results, Results):
+            ran = [r for r in results.ran if r.outcome is not None]
+            oks = results.ok_seconds
+        else:
+            ran, oks = [r for r in results if r.outcome is not None], []
+        if ran or oks:
             outcomes = cast(list[Outcome], [r.outcome for r in ran])  # not None: filtered just above
-            self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran])
+            outcomes += [Outcome.SUCCESS] * len(oks)
+            self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran] + oks)
             if self.hooks.first_attempts:
                 self.hooks.first_attempts(queue_name, outcomes)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 
 from bridge.records import SourceRecord
-from bridge.source.first_delivery import Ran
+from bridge.source.ends import Ran
 
 
 class LaneKeys:

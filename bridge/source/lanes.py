@@ -28,7 +28,9 @@ from collections.abc import Callable
 
 from bridge.engine.threads import HandlerThreads
 from bridge.records import TP, SourceRecord
-from bridge.source.first_delivery import FirstDelivery, Ran
+from bridge.source.chunks import ChunkedRunners
+from bridge.source.ends import Ran, Results
+from bridge.source.first_delivery import FirstDelivery
 from bridge.source.lane_keys import LaneKeys
 from bridge.source.runners import CpuLoad, Runner, drain_async, drain_sync
 
@@ -36,9 +38,9 @@ from bridge.source.runners import CpuLoad, Runner, drain_async, drain_sync
 _STALLED = 0.1
 
 
-class Lane:
+class Lane(ChunkedRunners):
     def __init__(self, tp: TP, queue_name: str, delivery: FirstDelivery, threads: HandlerThreads | None,
-                 limit: int, on_results: Callable[[Lane, list[Ran]], None],
+                 limit: int, on_results: Callable[[Lane, Results], None],
                  is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None,
                  load: CpuLoad | None = None) -> None:
         self.tp = tp
@@ -66,7 +68,9 @@ class Lane:
         self._runners: set[Runner] = set()
         self._starting = 0
         self._results: list[Ran] = []
+        self._ok: list[tuple[int, float]] = []  # chunks' successes (offset, seconds): Results.ok
         self._wake_pending = False
+        self.chunk_size = 1
         # ordering: key. Keys are the record key bytes (a lane is one partition). Under `_lock`.
         queue = delivery.config.queue(queue_name)
         self.ordered = queue is not None and queue.ordering == "key" and not queue.remote
@@ -105,7 +109,7 @@ class Lane:
     @property
     def busy(self) -> bool:
         """Runners running or results not yet handed over."""
-        return bool(self._runners or self._starting or self._results)
+        return bool(self._runners or self._starting or self._results or self._ok)
 
     @property
     def backlog(self) -> int:
@@ -125,23 +129,35 @@ class Lane:
             self.ready_bytes = 0
             for runner in self._runners:
                 runner.abandoned = True  # it reports what it is running, then takes nothing more
+                runner.chunk.clear()
 
     def watch(self, now: float) -> None:
         """The watchdog's round: abandon overdue records; add a runner when all are busy with slow records."""
+        stalled_ok = False
         with self._lock:
             overdue = []
             for runner in self._runners:
                 begun = runner.current
-                if begun is not None and not runner.abandoned:
-                    why = self.delivery.overdue(begun, now)
-                    if why is not None:
-                        runner.abandoned = True
-                        overdue.append((runner, begun, why))
+                if begun is None or runner.abandoned:
+                    continue
+                why = begun.overdue(now)
+                if why is not None and runner.end():  # else it returned just now: the runner reports it
+                    runner.abandoned = True
+                    overdue.append((runner, begun, why))
+                if why is not None or now - begun.began >= _STALLED:
+                    self._give_back(runner)  # records behind a stalled one: for another runner
+                    stalled_ok = self._take_ok(runner) or stalled_ok  # and those it ran before: done
             for runner, _, _ in overdue:
                 self._runners.discard(runner)
             spawn = 0
             if self._stalled(now):
                 spawn = self._starting = 1
+            if stalled_ok and not self._wake_pending:
+                self._wake_pending = True
+            else:
+                stalled_ok = False
+        if stalled_ok:
+            self._call_soon(self._take_results)
         for runner, begun, why in overdue:
             if runner.call is not None and self._threads is not None:
                 self._threads.pool(self.queue_name).abandon(runner.call)  # counted stuck until it returns
@@ -157,8 +173,7 @@ class Lane:
             return False
         if not self._runners:
             return True
-        return not self._load.busy and all(r.current is not None and now - r.current.began >= _STALLED
-                                           for r in self._runners)
+        return not self._load.busy and all(_running_since(r) <= now - _STALLED for r in self._runners)
 
     def _start_runners(self, n: int) -> None:
         """Start `n` runners (already counted in `_starting`)."""
@@ -175,7 +190,8 @@ class Lane:
     def _take_results(self) -> None:
         with self._lock:
             self._wake_pending = False
-            results, self._results = self._results, []
+            results = Results(self._results, self._ok)
+            self._results, self._ok = [], []
         if results:
             self._on_results(self, results)
 
@@ -295,10 +311,9 @@ class Lane:
             if self._on_failure is not None:
                 self._on_failure(self, ran)  # may hold the lane (max_open_tasks) before the next record is taken
         with self._lock:
-            if runner.current is not None:
-                if runner.abandoned and runner not in self._runners:
-                    return None
-                runner.current = None
+            if runner.abandoned and runner not in self._runners:
+                return None  # the watchdog ended this record (its claim) and reported it
+            runner.current = None
             if slow or self.ordered:
                 wake, spawn, back = self._add_result(ran, slow)
             else:  # a fast record of an unordered lane, inline: the common case
@@ -318,3 +333,10 @@ class Lane:
                 return
             self._starting += 1
         self._start_runners(1)
+
+
+def _running_since(runner: Runner) -> float:
+    """When the runner's record began (read once: a chunk's runner ends its records without the lane's lock);
+    infinity when it runs none."""
+    begun = runner.current
+    return float("inf") if begun is None else begun.began

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Protocol
 
+from bridge.engine.runner import outcome_of_exception
 from bridge.records import SourceRecord
-from bridge.source.first_delivery import Begun, FirstDelivery, Ran
+from bridge.source.ends import Begun, Plan, Ran
+from bridge.source.first_delivery import FirstDelivery
 
 # A sync handler whose records take >= _SLOW seconds, _SLOW_STREAK in a row, is given more runners (it likely
 # waits on I/O). One slow record is not enough: a runner that waited for the GIL sees a fast record take 5 ms,
@@ -41,16 +44,45 @@ class CpuLoad:
 
 
 class Runner:
-    """One runner: the record it is running now (for the watchdog), and how to let it go."""
+    """One runner: the record it is running now (for the watchdog), the records it took and has not run yet
+    (`chunk`), and how to let it go.
 
-    __slots__ = ("abandoned", "call", "current", "park", "task")
+    The record running is held in a one-element list, `claim`: whoever pops it ends the record — the runner when
+    its handler returned, or the watchdog abandoning it. `list.pop` is atomic, so a record ends exactly once
+    without a lock (a chunk's records take no lock of their own)."""
+
+    __slots__ = ("abandoned", "call", "chunk", "claim", "done", "park", "task")
 
     def __init__(self) -> None:
-        self.current: Begun | None = None
+        self.claim: list[Begun] = []
+        self.chunk: deque[SourceRecord] = deque()  # taken from the lane, not started: given back when it stalls
+        # The chunk's successes (offset, seconds) not reported yet: the runner's report takes them, or the
+        # watchdog's when the runner stalls on a record (they are done: the commit may pass them).
+        self.done: deque[tuple[int, float]] = deque()
         self.park = False  # the record just taken is parked, not run (its key is blocked)
         self.abandoned = False
         self.call: Future[None] | None = None  # a sync runner's call on the handler threads
         self.task: asyncio.Task[None] | None = None  # an async runner
+
+    @property
+    def current(self) -> Begun | None:
+        claim = self.claim
+        try:
+            return claim[0] if claim else None
+        except IndexError:  # ended between the two reads
+            return None
+
+    @current.setter
+    def current(self, begun: Begun | None) -> None:
+        self.claim = [] if begun is None else [begun]
+
+    def end(self) -> bool:
+        """The runner's record returned: True if it is the runner's to report (the watchdog did not abandon it)."""
+        try:
+            self.claim.pop()
+            return True
+        except IndexError:
+            return False
 
 
 class RunnersLane(Protocol):
@@ -68,6 +100,13 @@ class RunnersLane(Protocol):
     def maybe_second_runner(self) -> None: ...
     def runner_ended(self, runner: Runner) -> None: ...
 
+    ordered: bool
+    held: bool
+
+    def take_chunk(self, runner: Runner) -> bool: ...
+    def report_one(self, runner: Runner, ran: Ran) -> None: ...
+    def report_chunk(self, runner: Runner, slow: bool, fast: bool) -> bool: ...
+
 
 def _next_to_run(lane: RunnersLane, runner: Runner, record: SourceRecord | None) -> Begun | None:
     """From `record` on, the first record whose handler is to run; those parked behind their key or becoming a
@@ -84,19 +123,84 @@ def _next_to_run(lane: RunnersLane, runner: Runner, record: SourceRecord | None)
 
 
 def drain_sync(lane: RunnersLane, runner: Runner) -> None:
-    """A sync runner, on a handler thread: the ready records one after another."""
+    """A sync runner, on a handler thread: the ready records one after another (an ordered lane, whose keys are
+    decided a record at a time), or a chunk at a time (`drain_chunks`)."""
     lane.runner_started()
-    streak = 0
     try:
-        begun = _next_to_run(lane, runner, lane.next_record(runner))
-        while begun is not None:
-            runner.current = begun
-            cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
-            ran = lane.delivery.run_sync(begun)
-            streak = slow_streak(streak, ran.seconds, cpu) if ran.seconds >= _SLOW else 0
-            begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran, streak >= _SLOW_STREAK))
+        if lane.ordered:
+            _drain_records(lane, runner)
+        else:
+            drain_chunks(lane, runner)
     finally:
         lane.runner_ended(runner)
+
+
+def _drain_records(lane: RunnersLane, runner: Runner) -> None:
+    streak = 0
+    begun = _next_to_run(lane, runner, lane.next_record(runner))
+    while begun is not None:
+        runner.current = begun
+        cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
+        ran = lane.delivery.run_sync(begun)
+        streak = slow_streak(streak, ran.seconds, cpu) if ran.seconds >= _SLOW else 0
+        begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran, streak >= _SLOW_STREAK))
+
+
+def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
+    """Chunks of records, each taken and its successes reported under one lock: a success is its offset and its
+    seconds, no lock and no `Ran` of its own. A record that does not succeed is reported at once; a record that
+    waits hands the rest of the chunk back (the watchdog hands back the chunk of a runner stalled on a record)."""
+    delivery, chunk, done, queue_name = lane.delivery, runner.chunk, runner.done, lane.queue_name
+    streak = 0
+    more = lane.take_chunk(runner)
+    while more:
+        plan = delivery.plan(queue_name)
+        fast, slow = True, False
+        while not (runner.abandoned or lane.held):
+            try:
+                record = chunk.popleft()
+            except IndexError:  # done, or handed back by the watchdog
+                break
+            suspect = lane.is_suspect(record.offset)
+            if plan is None or suspect:
+                prepared = delivery.prepare(record, queue_name, suspect)
+                if not isinstance(prepared, Begun):  # a task at once: nothing runs
+                    lane.report_one(runner, Ran(record, queue_name, prepared))
+                    continue
+                begun = prepared
+            else:
+                begun = delivery.begin(plan, record)
+            runner.current = begun
+            cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
+            ran = delivery.run_sync(begun) if plan is None or suspect else _run_planned(delivery, plan, begun)
+            took = begun.seconds if ran is None else ran.seconds
+            if not runner.end():
+                lane.report_chunk(runner, False, False)  # the watchdog reported this record
+                return
+            if ran is None:
+                done.append((record.offset, took))
+            else:
+                lane.report_one(runner, ran)
+            if took >= _SLOW:
+                fast = False
+                streak = slow_streak(streak, took, cpu)
+                if streak >= _SLOW_STREAK:
+                    slow = True  # records in a row waited: the rest of the chunk to new runners
+                    break
+            else:
+                streak = 0
+        more = lane.report_chunk(runner, slow, fast)
+
+
+def _run_planned(delivery: FirstDelivery, plan: Plan, begun: Begun) -> Ran | None:
+    """A planned record's handler (untraced, sync): None when it succeeded (its seconds in `begun.seconds`), the
+    `Ran` of its failure otherwise."""
+    try:
+        plan.handler.fn(begun.ctx)
+    except Exception as e:  # the handler's error is its outcome
+        return delivery.ended(begun, outcome_of_exception(e, plan.queue.errors))
+    begun.seconds = time.monotonic() - begun.began
+    return None
 
 
 def slow_streak(streak: int, wall: float, cpu_before: float) -> int:
