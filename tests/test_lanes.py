@@ -74,15 +74,17 @@ def records(n: int, payload: bytes = b"{}") -> list[SourceRecord]:
     return [SourceRecord("t", 0, i, None, payload, None, ()) for i in range(n)]
 
 
+async def watchdog(lane: Lane) -> None:
+    """The consumer's watchdog over one lane: a round every 50 ms."""
+    while True:
+        await asyncio.sleep(0.05)
+        lane.watch(time.monotonic())
+
+
 async def run_watched(rig: Rig, lane: Lane, n: int, release: threading.Event) -> None:
     """n records through the lane under the consumer's watchdog (every 50 ms), until all are reported; then the
     hung handler is released."""
-    async def watchdog() -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            lane.watch(time.monotonic())
-
-    dog = asyncio.create_task(watchdog())
+    dog = asyncio.create_task(watchdog(lane))
     try:
         lane.add(records(n))
         assert await eventually(lambda: len(rig.results) == n, within=10)
@@ -178,17 +180,19 @@ async def test_a_failure_can_hold_the_lane_before_the_runner_takes_its_next_reco
     ran: list[int] = []
 
     def fails(ctx: HandlerContext) -> None:
-        ran.append(int(ctx.source.rsplit("/", 1)[1]))
+        ran.append(offset_of(ctx))
         raise ConnectionError("down")
-
-    def hold(lane: Lane, result: Ran) -> None:
-        lane.held = True
 
     lane = await rig.lane(fails, limit=1, on_failure=hold)
     lane.add(records(10))
     assert await eventually(lambda: len(rig.results) == 1)
     await asyncio.sleep(0.3)
     assert ran == [0] and len(rig.results) == 1 and lane.backlog == 9
+
+
+def hold(lane: Lane, result: Ran) -> None:
+    """An on_failure that holds the lane at once (as max_open_tasks does)."""
+    lane.held = True
 
 
 def offset_of(ctx: HandlerContext) -> int:
@@ -206,13 +210,7 @@ async def test_records_in_a_chunk_behind_a_hung_one_are_handed_back_and_run_by_a
             release.wait(30)
 
     lane = await rig.lane(hangs_on_100, limit=2, lease="30s")
-
-    async def watchdog() -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            lane.watch(time.monotonic())
-
-    dog = asyncio.create_task(watchdog())
+    dog = asyncio.create_task(watchdog(lane))
     try:
         lane.add(records(300))
         assert await eventually(lambda: len(rig.results) == 299, within=5)
@@ -254,9 +252,6 @@ async def test_a_failure_that_holds_the_lane_mid_chunk_hands_the_rest_back_unrun
         ran.append(offset_of(ctx))
         if offset_of(ctx) == 100:
             raise ConnectionError("down")
-
-    def hold(lane: Lane, result: Ran) -> None:
-        lane.held = True
 
     lane = await rig.lane(fails_on_100, limit=1, on_failure=hold)
     lane.add(records(300))
