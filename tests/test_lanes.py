@@ -38,6 +38,7 @@ class Rig:
         self.results: list[Ran] = []
         self.store: Store | None = None
         self.threads: HandlerThreads | None = None
+        self.stores_keys = False  # as the consumer does once a batch's failures are stored: `lane.stored(keys)`
 
     async def lane(self, handler: Callable[..., Any], limit: int = 16,
                    on_failure: Callable[[Lane, Ran], None] | None = None, **queue: Any) -> Lane:
@@ -51,10 +52,11 @@ class Rig:
                     on_failure)
 
     def _collect(self, lane: Lane, results: Results) -> None:
-        # A chunk's successes come as offsets: seen here as the Ran each stands for.
+        # A chunk's successes come as (record, seconds) pairs: seen here as the Ran each stands for.
         self.results.extend(results.ran)
-        self.results.extend(Ran(SourceRecord("t", 0, offset, None, b"", None, ()), "q", None, Outcome.SUCCESS, took)
-                            for offset, took in results.ok)
+        self.results.extend(Ran(record, "q", None, Outcome.SUCCESS, took) for record, took in results.ok)
+        if self.stores_keys and results.failures():
+            lane.stored([ran.record.key for ran in results.failures()])
 
     async def close(self) -> None:
         if self.threads is not None:
@@ -399,3 +401,85 @@ async def test_a_keys_next_record_waits_until_its_failed_record_is_stored(rig: R
     assert rig.results[1].task is not None and rig.results[1].task.status == Status.PARKED
     lane.stored([b"K"])
     assert await eventually(lambda: [r.record.offset for r in rig.results] == [0, 1, 2])
+
+
+def keyed(n: int, keys: int) -> list[SourceRecord]:
+    """n records of `keys` distinct keys in turn (offset i has key i % keys)."""
+    return [SourceRecord("t", 0, i, str(i % keys).encode(), b"{}", None, ()) for i in range(n)]
+
+
+class KeyRecorder:
+    """A sync handler for an ordered lane of `keyed(n, 10)` records: notes each key's records in the order they
+    ran, and any time two records of one key ran at once."""
+
+    def __init__(self, fails: int | None = None, hangs: int | None = None) -> None:
+        self.ran: dict[int, list[int]] = {}
+        self.overlaps: list[int] = []
+        self.fails, self.hangs = fails, hangs
+        self.release = threading.Event()
+        self._running: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, ctx: HandlerContext) -> None:
+        offset = offset_of(ctx)
+        key = offset % 10  # keyed(n, 10)
+        with self._lock:
+            if key in self._running:
+                self.overlaps.append(offset)
+            self._running.add(key)
+            self.ran.setdefault(key, []).append(offset)
+        try:
+            if offset == self.hangs:
+                self.release.wait(30)
+            if offset == self.fails:
+                raise ConnectionError("down")
+        finally:
+            with self._lock:
+                self._running.discard(key)
+
+
+async def test_an_ordered_lanes_chunks_hold_one_record_a_key_and_park_a_failed_keys_later_records(
+        rig: Rig) -> None:
+    """ordering: key through chunks (chunks grow to 128 records while records are fast; 10 keys in turn). Record
+    205 (key 5) fails: key 5's later records must be parked, not run — whether they were in the same chunk or
+    arrive after — and every other key's records run once each, in offset order."""
+    handler = KeyRecorder(fails=205)
+    rig.stores_keys = True
+    lane = await rig.lane(handler, limit=4, ordering="key")
+    lane.load_keys(set())
+    lane.add(keyed(1000, 10))
+    assert await eventually(lambda: len(rig.results) == 1000, within=10)
+    by_offset = {r.record.offset: r for r in rig.results}
+    assert len(by_offset) == 1000 and handler.overlaps == []
+    assert handler.ran[5] == list(range(5, 206, 10))  # nothing of key 5 ran after its failure
+    parked = [o for o in range(215, 1000, 10)]
+    assert all((t := by_offset[o].task) is not None and t.status == Status.PARKED for o in parked)
+    for key in set(range(10)) - {5}:
+        assert handler.ran[key] == list(range(key, 1000, 10))
+        assert all(by_offset[o].task is None for o in handler.ran[key])
+    assert lane.backlog == 0 and lane.ready_bytes == 0
+
+
+async def test_an_ordered_chunk_behind_a_hung_record_is_handed_back_with_its_keys_free(rig: Rig) -> None:
+    """ordering: key. Record 100 (key 0) hangs inside a chunk: the watchdog hands the rest of the chunk back, its
+    records' keys no longer running, and takes the successes the runner ran before it (their keys free too), so
+    another runner runs every other key's records; key 0's later records wait for 100 and then run in order."""
+    handler = KeyRecorder(hangs=100)
+    lane = await rig.lane(handler, limit=2, lease="30s", ordering="key")
+    lane.load_keys(set())
+    dog = asyncio.create_task(watchdog(lane))
+    try:
+        lane.add(keyed(500, 10))
+        others = [o for o in range(500) if o % 10 or o < 100]
+        done = await eventually(lambda: len(rig.results) == len(others), within=5)
+        assert done, (len(rig.results), sorted(set(others) - {r.record.offset for r in rig.results})[:20])
+        assert sorted(r.record.offset for r in rig.results) == others
+        assert handler.ran[0] == list(range(0, 101, 10))  # key 0's later records wait behind the hung one
+    finally:
+        dog.cancel()
+        handler.release.set()
+    assert await eventually(lambda: len(rig.results) == 500)
+    await asyncio.sleep(0.2)
+    assert sorted(r.record.offset for r in rig.results) == list(range(500))  # each once
+    assert handler.overlaps == [] and all(r.task is None for r in rig.results)
+    assert all(handler.ran[key] == list(range(key, 500, 10)) for key in range(10))

@@ -1,4 +1,4 @@
-"""A lane's chunks (lanes.py, runners.py): a sync runner of an unordered lane takes its records a chunk at a time.
+"""A lane's chunks (lanes.py, runners.py): a sync runner takes its lane's records a chunk at a time.
 
 A chunk is taken under one lock and its successes reported under one more: a success costs its runner no lock
 and no object of its own (a pair, offset and seconds, in `Runner.done`). What a runner took and has not started
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from bridge.source.ends import Ran
+from bridge.source.lane_keys import LaneKeys
 from bridge.source.runners import CpuLoad, Runner
 
 if TYPE_CHECKING:
@@ -37,10 +38,12 @@ class ChunkedRunners:
     held: bool
     limit: int
     chunk_size: int
+    ordered: bool
+    _keys: LaneKeys
     _runners: set[Runner]
     _starting: int
     _results: list[Ran]
-    _ok: list[tuple[int, float]]
+    _ok: list[tuple[SourceRecord, float]]
     _wake_pending: bool
     _load: CpuLoad
     _on_failure: Callable[[Any, Ran], None] | None  # called with the Lane
@@ -61,6 +64,8 @@ class ChunkedRunners:
         if runner.abandoned or self.held or not self.ready:
             self._runners.discard(runner)
             return False
+        if self.ordered:
+            return self._take_keyed_chunk(runner)
         ready, chunk = self.ready, runner.chunk
         taken = 0
         for _ in range(min(self.chunk_size, len(ready))):
@@ -68,6 +73,27 @@ class ChunkedRunners:
             taken += len(record.value)
             chunk.append(record)
         self.ready_bytes -= taken
+        return True
+
+    def _take_keyed_chunk(self, runner: Runner) -> bool:
+        """(Under the lock.) ordering: key — the first ready records whose keys are not running, one a key (each
+        key running from now); records of running keys wait aside. The blocked keys' records are to be parked."""
+        chunk, parked, keys, ready = runner.chunk, runner.parked, self._keys, self.ready
+        parked.clear()
+        taken = 0
+        for _ in range(self.chunk_size):
+            found = keys.next_ready(ready)
+            if found is None:
+                break
+            record, park = found
+            taken += len(record.value)
+            chunk.append(record)
+            if park:
+                parked.add(record.offset)
+        self.ready_bytes -= taken
+        if not chunk:
+            self._runners.discard(runner)
+            return False
         return True
 
     def _give_back(self, runner: Runner) -> None:
@@ -81,6 +107,8 @@ class ChunkedRunners:
                 return
             ready.appendleft(record)
             self.ready_bytes += len(record.value)
+            if self.ordered:
+                self._keys.handed_back(record)
 
     def report_one(self, runner: Runner, ran: Ran) -> None:
         """A chunk's record that ended otherwise than as a planned success (a failure, a task at once, a traced
@@ -90,21 +118,24 @@ class ChunkedRunners:
             self._on_failure(self, ran)
         with self._lock:
             self._results.append(ran)
+            back = self.ordered and self._keys.ended(ran, self.ready)
             wake = not self._wake_pending
             self._wake_pending = True
-        if wake:
-            self._call_soon(self._take_results)
+        self._after_result(wake, 0, back)
 
     def _take_ok(self, runner: Runner) -> bool:
         """(Under the lock.) The runner's successes not yet reported, one atomic `popleft` each (the runner may be
-        adding more). True if there were any."""
+        adding more). True if there were any. ordering: key — their keys are free again."""
         ok, done = self._ok, runner.done
         before = len(ok)
         while True:
             try:
                 ok.append(done.popleft())
             except IndexError:
-                return len(ok) > before
+                break
+        if self.ordered and len(ok) > before:
+            self._keys.succeeded([record for record, _ in ok[before:]], self.ready)
+        return len(ok) > before
 
     def report_chunk(self, runner: Runner, slow: bool, fast: bool) -> bool:
         """A chunk's successes (`runner.done`), and the next chunk taken under the same lock: True if the runner
@@ -121,6 +152,6 @@ class ChunkedRunners:
                 spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
                 self._starting += spawn
             more = runner in self._runners and self._take_chunk(runner)
-        if wake or spawn:
-            self._after_result(wake, spawn, False)
+        if wake or spawn or (self.ordered and not more):
+            self._after_result(wake, spawn, self.ordered and not more)  # a key's record may be ready again
         return more

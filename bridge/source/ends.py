@@ -60,10 +60,10 @@ class Ran:
 @dataclass(slots=True)
 class Results:
     """A lane's records that ended since the loop last took them. The common end, a success of a chunk's record,
-    is a pair (its offset, its handler's seconds), not an object of its own; every other end is a `Ran`."""
+    is a pair (its record, its handler's seconds), not an object of its own; every other end is a `Ran`."""
 
     ran: list[Ran] = field(default_factory=list)
-    ok: list[tuple[int, float]] = field(default_factory=list)
+    ok: list[tuple[SourceRecord, float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ran) + len(self.ok)
@@ -74,7 +74,7 @@ class Results:
 
     def done_offsets(self) -> list[int]:
         """The records done now: every success (a failure is done once its task is stored)."""
-        return [offset for offset, _ in self.ok] + [ran.record.offset for ran in self.ran if ran.task is None]
+        return [record.offset for record, _ in self.ok] + [ran.record.offset for ran in self.ran if ran.task is None]
 
     def failures(self) -> list[Ran]:
         return [ran for ran in self.ran if ran.task is not None]

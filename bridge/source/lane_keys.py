@@ -91,6 +91,23 @@ class LaneKeys:
             del self.waiting[key]
         return True
 
+    def handed_back(self, record: SourceRecord) -> None:
+        """A record taken and not started is back at the front of the lane: its key is not running (the key's
+        records aside stay there, behind it)."""
+        if record.key is not None:
+            self.running.discard(record.key)
+
+    def succeeded(self, records: list[SourceRecord], ready: deque[SourceRecord]) -> bool:
+        """Records that succeeded (a chunk's): their keys are free, each key's next waiting record back to the
+        front. True when one came back."""
+        back = False
+        for record in records:
+            key = record.key
+            if key is not None:
+                self.running.discard(key)
+                back = self.next_of(key, ready) or back
+        return back
+
     def ended(self, ran: Ran, ready: deque[SourceRecord]) -> bool:
         """A record ended: its key is free to run its next record, blocked if the record became a task. True
         when a waiting record came back to the front."""

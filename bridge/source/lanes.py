@@ -68,7 +68,7 @@ class Lane(ChunkedRunners):
         self._runners: set[Runner] = set()
         self._starting = 0
         self._results: list[Ran] = []
-        self._ok: list[tuple[int, float]] = []  # chunks' successes (offset, seconds): Results.ok
+        self._ok: list[tuple[SourceRecord, float]] = []  # chunks' successes (record, seconds): Results.ok
         self._wake_pending = False
         self.chunk_size = 1
         # ordering: key. Keys are the record key bytes (a lane is one partition). Under `_lock`.

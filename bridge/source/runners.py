@@ -1,8 +1,9 @@
 """A lane's runners (lanes.py): the loops that take a partition's ready records one after another and run them.
 
-A sync runner is one call on the queue's handler threads; an async one is one task on the loop. Each takes a
-record, runs its first delivery, and hands the result back while taking the next (`report_and_next`: one lock a
-record). A runner that records keep waiting on, as I/O does, is told so (`slow`) and the lane starts more.
+A sync runner is one call on the queue's handler threads: it takes the lane's records a chunk at a time (one
+lock a chunk, chunks.py). An async one is one task on the loop: it takes a record, runs its first delivery, and
+hands the result back while taking the next (`report_and_next`: one lock a record). A runner that records keep
+waiting on, as I/O does, is told so (`slow`) and the lane starts more.
 """
 
 from __future__ import annotations
@@ -51,15 +52,16 @@ class Runner:
     its handler returned, or the watchdog abandoning it. `list.pop` is atomic, so a record ends exactly once
     without a lock (a chunk's records take no lock of their own)."""
 
-    __slots__ = ("abandoned", "call", "chunk", "claim", "done", "park", "task")
+    __slots__ = ("abandoned", "call", "chunk", "claim", "done", "park", "parked", "task")
 
     def __init__(self) -> None:
         self.claim: list[Begun] = []
         self.chunk: deque[SourceRecord] = deque()  # taken from the lane, not started: given back when it stalls
         # The chunk's successes (offset, seconds) not reported yet: the runner's report takes them, or the
         # watchdog's when the runner stalls on a record (they are done: the commit may pass them).
-        self.done: deque[tuple[int, float]] = deque()
-        self.park = False  # the record just taken is parked, not run (its key is blocked)
+        self.done: deque[tuple[SourceRecord, float]] = deque()
+        self.park = False  # the record just taken is parked, not run (its key is blocked): an async runner's
+        self.parked: set[int] = set()  # ordering: key — the chunk's records to park (offsets), not to run
         self.abandoned = False
         self.call: Future[None] | None = None  # a sync runner's call on the handler threads
         self.task: asyncio.Task[None] | None = None  # an async runner
@@ -100,7 +102,6 @@ class RunnersLane(Protocol):
     def maybe_second_runner(self) -> None: ...
     def runner_ended(self, runner: Runner) -> None: ...
 
-    ordered: bool
     held: bool
 
     def take_chunk(self, runner: Runner) -> bool: ...
@@ -123,34 +124,21 @@ def _next_to_run(lane: RunnersLane, runner: Runner, record: SourceRecord | None)
 
 
 def drain_sync(lane: RunnersLane, runner: Runner) -> None:
-    """A sync runner, on a handler thread: the ready records one after another (an ordered lane, whose keys are
-    decided a record at a time), or a chunk at a time (`drain_chunks`)."""
+    """A sync runner, on a handler thread: the ready records a chunk at a time (`drain_chunks`)."""
     lane.runner_started()
     try:
-        if lane.ordered:
-            _drain_records(lane, runner)
-        else:
-            drain_chunks(lane, runner)
+        drain_chunks(lane, runner)
     finally:
         lane.runner_ended(runner)
 
 
-def _drain_records(lane: RunnersLane, runner: Runner) -> None:
-    streak = 0
-    begun = _next_to_run(lane, runner, lane.next_record(runner))
-    while begun is not None:
-        runner.current = begun
-        cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
-        ran = lane.delivery.run_sync(begun)
-        streak = slow_streak(streak, ran.seconds, cpu) if ran.seconds >= _SLOW else 0
-        begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran, streak >= _SLOW_STREAK))
-
-
 def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
-    """Chunks of records, each taken and its successes reported under one lock: a success is its offset and its
+    """Chunks of records, each taken and its successes reported under one lock: a success is its record and its
     seconds, no lock and no `Ran` of its own. A record that does not succeed is reported at once; a record that
-    waits hands the rest of the chunk back (the watchdog hands back the chunk of a runner stalled on a record)."""
-    delivery, chunk, done, queue_name = lane.delivery, runner.chunk, runner.done, lane.queue_name
+    waits hands the rest of the chunk back (the watchdog hands back the chunk of a runner stalled on a record).
+    ordering: key — a chunk holds one record of a key at most (chunks.py); one whose key is blocked is parked."""
+    delivery, queue_name = lane.delivery, lane.queue_name
+    chunk, done, parked = runner.chunk, runner.done, runner.parked
     streak = 0
     more = lane.take_chunk(runner)
     while more:
@@ -161,24 +149,28 @@ def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
                 record = chunk.popleft()
             except IndexError:  # done, or handed back by the watchdog
                 break
+            if parked and record.offset in parked:
+                lane.report_one(runner, lane.parked(record))
+                continue
             suspect = lane.is_suspect(record.offset)
-            if plan is None or suspect:
+            planned = None if suspect else plan
+            if planned is None:
                 prepared = delivery.prepare(record, queue_name, suspect)
                 if not isinstance(prepared, Begun):  # a task at once: nothing runs
                     lane.report_one(runner, Ran(record, queue_name, prepared))
                     continue
                 begun = prepared
             else:
-                begun = delivery.begin(plan, record)
+                begun = delivery.begin(planned, record)
             runner.current = begun
             cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
-            ran = delivery.run_sync(begun) if plan is None or suspect else _run_planned(delivery, plan, begun)
+            ran = delivery.run_sync(begun) if planned is None else _run_planned(delivery, planned, begun)
             took = begun.seconds if ran is None else ran.seconds
             if not runner.end():
                 lane.report_chunk(runner, False, False)  # the watchdog reported this record
                 return
             if ran is None:
-                done.append((record.offset, took))
+                done.append((record, took))
             else:
                 lane.report_one(runner, ran)
             if took >= _SLOW:
