@@ -78,20 +78,9 @@ class ChunkedRunners:
     def _take_keyed_chunk(self, runner: Runner) -> bool:
         """(Under the lock.) ordering: key — the first ready records whose keys are not running, one a key (each
         key running from now); records of running keys wait aside. The blocked keys' records are to be parked."""
-        chunk, parked, keys, ready = runner.chunk, runner.parked, self._keys, self.ready
-        parked.clear()
-        taken = 0
-        for _ in range(self.chunk_size):
-            found = keys.next_ready(ready)
-            if found is None:
-                break
-            record, park = found
-            taken += len(record.value)
-            chunk.append(record)
-            if park:
-                parked.add(record.offset)
-        self.ready_bytes -= taken
-        if not chunk:
+        runner.parked.clear()
+        self.ready_bytes -= self._keys.take(self.ready, self.chunk_size, runner.chunk, runner.parked)
+        if not runner.chunk:
             self._runners.discard(runner)
             return False
         return True
@@ -134,7 +123,7 @@ class ChunkedRunners:
             except IndexError:
                 break
         if self.ordered and len(ok) > before:
-            self._keys.succeeded([record for record, _ in ok[before:]], self.ready)
+            self._keys.succeeded(ok[before:], self.ready)
         return len(ok) > before
 
     def report_chunk(self, runner: Runner, slow: bool, fast: bool) -> bool:

@@ -43,6 +43,28 @@ class LaneKeys:
             return record, key is not None and key in self.blocked
         return None
 
+    def take(self, ready: deque[SourceRecord], n: int, chunk: deque[SourceRecord], parked: set[int]) -> int:
+        """`next_ready` for a chunk (one call, not one a record): up to n records into `chunk`, the offsets of
+        those to park into `parked`. Their payload bytes."""
+        running, blocked, waiting = self.running, self.blocked, self.waiting
+        taken = 0
+        while ready and n:
+            record = ready.popleft()
+            key = record.key
+            if key is not None:
+                entry = blocked.get(key)
+                if key in running or (entry is not None and entry[1] > 0):  # running, or `storing`
+                    waiting.setdefault(key, deque()).append(record)
+                    self.set_aside += 1
+                    continue
+                running.add(key)
+                if entry is not None:
+                    parked.add(record.offset)
+            chunk.append(record)
+            taken += len(record.value)
+            n -= 1
+        return taken
+
     def load(self, keys: set[bytes]) -> None:
         for key in keys:
             self.blocked.setdefault(key, [0, 0])
@@ -97,15 +119,17 @@ class LaneKeys:
         if record.key is not None:
             self.running.discard(record.key)
 
-    def succeeded(self, records: list[SourceRecord], ready: deque[SourceRecord]) -> bool:
-        """Records that succeeded (a chunk's): their keys are free, each key's next waiting record back to the
-        front. True when one came back."""
+    def succeeded(self, ok: list[tuple[SourceRecord, float]], ready: deque[SourceRecord]) -> bool:
+        """Records that succeeded (a chunk's, with their seconds): their keys are free, each key's next waiting
+        record back to the front. True when one came back."""
+        running, waiting = self.running, self.waiting
         back = False
-        for record in records:
+        for record, _ in ok:
             key = record.key
             if key is not None:
-                self.running.discard(key)
-                back = self.next_of(key, ready) or back
+                running.discard(key)
+                if waiting and key in waiting:
+                    back = self.next_of(key, ready) or back
         return back
 
     def ended(self, ran: Ran, ready: deque[SourceRecord]) -> bool:
