@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bridge.model import Outcome, Task
+from bridge.model import Task
 
 
 class Hook:
@@ -41,7 +41,8 @@ class Hooks:
         # committed: a claim queued now rides the same transaction (the scheduler claims them without a commit of
         # its own)
         self.due_tasks_queued = Hook("due tasks queued for the store")
-        # queue, outcomes: the outcomes of a batch of first attempts (the queue's circuit breaker counts them)
+        # queue, outcomes, successes: the outcomes of a batch of first attempts, and how many more succeeded (a
+        # lane's chunks report successes as a count); the queue's circuit breaker counts them
         self.first_attempts = Hook("first attempts ended")
         # writable: the store can (True) or cannot (False) be written; consumption pauses while it cannot
         self.store_health = Hook("the store's health changed")
@@ -50,6 +51,3 @@ class Hooks:
         # (task, timeout) → is this claim in the changelog? Asked before a task that lost a lease runs again.
         self.claim_logged: Callable[[Task, float], Awaitable[bool]] | None = None
 
-
-def first_attempts(hooks: Hooks | None) -> Callable[[str, list[Outcome]], None] | None:
-    return hooks.first_attempts if hooks is not None and hooks.first_attempts else None

@@ -33,6 +33,15 @@ def test_an_outage_trips_it_once_enough_attempts_failed_retryably() -> None:
     assert b.holds() and b.concurrency(8) == 0
 
 
+def test_successes_given_as_a_count_weigh_as_listed_ones() -> None:
+    """A lane's chunks report their successes as a count beside the other outcomes (`record(outcomes, n)`)."""
+    b, _ = breaker()
+    assert b.record([RETRY] * 20, successes=10) is None  # 20 of 30: below the ratio
+    b, _ = breaker()
+    transition = b.record([RETRY] * 16, successes=4)  # 16 of 20: at the ratio, at min_attempts
+    assert transition is not None and "16 of the last 20" in transition.why
+
+
 def test_poison_records_and_permanent_failures_never_trip_it() -> None:
     b, clock = breaker()
     for _ in range(100):  # 1 in 50 fails for good, 1 in 50 retryably: far below the ratio

@@ -483,3 +483,26 @@ async def test_an_ordered_chunk_behind_a_hung_record_is_handed_back_with_its_key
     assert sorted(r.record.offset for r in rig.results) == list(range(500))  # each once
     assert handler.overlaps == [] and all(r.task is None for r in rig.results)
     assert all(handler.ran[key] == list(range(key, 500, 10)) for key in range(10))
+
+
+async def test_a_batchs_first_attempts_reach_the_breaker_and_the_metrics_with_its_chunked_successes(
+        rig: Rig) -> None:
+    """A lane's successes come as a count beside the failures' outcomes: the circuit breaker's hook and the
+    attempt metrics must weigh them as they weigh any attempt (left out, a few failures among many fast
+    successes would look like an outage and trip the breaker)."""
+    def fails_every_tenth(ctx: HandlerContext) -> None:
+        if offset_of(ctx) % 10 == 9:
+            raise ConnectionError("down")
+
+    seen: list[tuple[list[Outcome], int]] = []
+    lane = await rig.lane(fails_every_tenth, limit=1)
+    rig.delivery.hooks.first_attempts.subscribe(lambda queue, outcomes, successes: seen.append((outcomes, successes)))
+    batches: list[Results] = []
+    lane._on_results = lambda lane, results: (batches.append(results), rig.delivery.count("q", results))
+    lane.add(records(300))
+    assert await eventually(lambda: sum(len(r) for r in batches) == 300)
+    assert sum(len(r.ok) for r in batches) > 0  # chunks did report successes as pairs
+    assert sum(n for _, n in seen) + sum(o.count(Outcome.SUCCESS) for o, _ in seen) == 270
+    assert sum(o.count(Outcome.RETRYABLE_FAILURE) for o, _ in seen) == 30
+    metrics = rig.delivery.telemetry.metrics.attempts
+    assert metrics.total("q", Outcome.SUCCESS) == 270 and metrics.total("q", Outcome.RETRYABLE_FAILURE) == 30

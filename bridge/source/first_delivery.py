@@ -286,10 +286,9 @@ class FirstDelivery:
             ran, oks = [r for r in results if r.outcome is not None], []
         if ran or oks:
             outcomes = cast(list[Outcome], [r.outcome for r in ran])  # not None: filtered just above
-            outcomes += [Outcome.SUCCESS] * len(oks)
-            self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran] + oks)
+            self.telemetry.metrics.attempts.add_many(queue_name, outcomes, [r.seconds for r in ran] + oks, len(oks))
             if self.hooks.first_attempts:
-                self.hooks.first_attempts(queue_name, outcomes)
+                self.hooks.first_attempts(queue_name, outcomes, len(oks))
 
     # ---- the tasks records become --------------------------------------------------------------------
 
