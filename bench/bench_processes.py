@@ -25,7 +25,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 from confluent_kafka import Consumer
@@ -82,11 +82,28 @@ def _ready(port: int) -> bool:
         return False
 
 
+class BridgeRun(NamedTuple):
+    rate: float  # steady records/s
+    wall: float  # s from the first record produced
+    rss: list[float]  # MiB, each process: the supervisor, then the children
+    busy: float  # the machine's CPU busy share during the steady phase
+    cores: list[float]  # each process's CPU during the steady phase, in cores: the supervisor, then the children
+    bench_cores: float  # this process's (the producer's) meanwhile
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system, every thread), from /proc; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload: bytes, family: str,
-               **labels: str) -> tuple[float, float, list[float], float]:
+               **labels: str) -> BridgeRun:
     """`rdq run --processes P` on a fresh topic, group and store: once it is ready and its group settled, n
-    records are produced, and it runs until `family{labels}` counts n. Returns (steady records/s, wall s from the
-    first record produced, RSS MiB of each process, the machine's CPU busy share during the steady phase)."""
+    records are produced, and it runs until `family{labels}` counts n."""
     unique = uuid.uuid4().hex[:6]
     port = free_port()
     tree = config.file_tree()
@@ -108,23 +125,27 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
         producer = threading.Thread(target=produce, args=(config.kafka.bootstrap_servers, topic, n, payload))
         producer.start()
         first: tuple[float, float, tuple[float, float]] | None = None
+        cpu_before: dict[int, float] = {}
         while True:
             counted = _metric_sum(port, family, **labels)
             now = time.perf_counter()
             if counted and first is None:
                 first = (now, counted, _cpu_busy())
+                cpu_before = {pid: _cpu_seconds(pid) for pid in [*_pids(port, bridge), os.getpid()]}
             if counted >= n and first is not None:
                 break
             if now - began > WITHIN or bridge.poll() is not None:
                 raise BenchTimeout(f"rdq run --processes {processes} counted {counted:.0f} of {n} {family} within "
                                    f"{now - began:.0f} s (exit {bridge.poll()}; its log: {log})")
             time.sleep(0.05)
+        cores = {pid: (_cpu_seconds(pid) - before) / max(now - first[0], 1e-9) for pid, before in cpu_before.items()}
         producer.join()
         busy, total = (b - a for a, b in zip(first[2], _cpu_busy(), strict=True))
         # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
         steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
-        rss = [rss_mib(pid) for pid in _pids(port, bridge)]
-        return steady, now - began, rss, busy / total if total else 0.0
+        pids = _pids(port, bridge)
+        return BridgeRun(steady, now - began, [rss_mib(pid) for pid in pids], busy / total if total else 0.0,
+                         [cores.get(pid, 0.0) for pid in pids], cores.get(os.getpid(), 0.0))
     finally:
         bridge.send_signal(signal.SIGTERM)
         try:
@@ -154,11 +175,10 @@ def bench_failure(bootstrap: str, n: int, runs: int) -> None:
                                                      "backoff": {"kind": "fixed", "base": "1h"}, **NO_BREAKER})
         for _ in range(runs):
             for processes in (1, 2):
-                rate, _, sizes, cpu = run_bridge(config, Path(tmp), processes, n, FAILING, "rdq_tasks_created",
-                                                 status="PENDING")
-                rates[processes].append(rate)
-                busy[processes].append(cpu)
-                rss.append(f"{processes}: " + "/".join(f"{s:.0f}" for s in sizes))
+                run = run_bridge(config, Path(tmp), processes, n, FAILING, "rdq_tasks_created", status="PENDING")
+                rates[processes].append(run.rate)
+                busy[processes].append(run.busy)
+                rss.append(f"{processes}: " + "/".join(f"{s:.0f}" for s in run.rss))
             ratios.append(rates[2][-1] / rates[1][-1])
     record("failure path on every core: processes 2 vs 1 (every first attempt fails and is stored durably)", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; each becomes a PENDING task with its first attempt; {runs} "
@@ -239,17 +259,19 @@ def bench_happy(bootstrap: str, n: int, runs: int) -> None:
     bare_busy: list[float] = []
     ratios: list[float] = []
     rss: list[str] = []
+    cores: list[str] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config = bench_config(bootstrap, Path(tmp), {"handler": "ok"})
         for _ in range(runs):
             rate, cpu = bare_pair(config, n)
             bare.append(rate)
             bare_busy.append(cpu)
-            rate, _, sizes, cpu = run_bridge(config, Path(tmp), 2, n, PAYLOAD, "rdq_attempts", outcome="SUCCESS")
-            busy.append(cpu)
-            bridge.append(rate)
-            ratios.append(rate / bare[-1])
-            rss.append("/".join(f"{s:.0f}" for s in sizes))
+            run = run_bridge(config, Path(tmp), 2, n, PAYLOAD, "rdq_attempts", outcome="SUCCESS")
+            busy.append(run.busy)
+            bridge.append(run.rate)
+            ratios.append(run.rate / bare[-1])
+            rss.append("/".join(f"{s:.0f}" for s in run.rss))
+            cores.append("/".join(f"{c:.2f}" for c in run.cores) + f" (bench {run.bench_cores:.2f})")
     record("happy path on every core: processes 2 vs a bare loop of 2 members", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; {runs} runs, each: two bare confluent-kafka members (two "
         "processes, one group: batch consume, JSON decode, store_offsets), then `rdq run --processes 2` with the "
@@ -261,6 +283,8 @@ def bench_happy(bootstrap: str, n: int, runs: int) -> None:
         f"the machine's CPU busy (every core; the broker and the producer run here too): the bare pair "
         f"{_spread([b * 100 for b in bare_busy])} %, the bridge {_spread([b * 100 for b in busy])} %",
         f"RSS MiB per bridge process (supervisor/children): {'; '.join(rss)}",
+        "CPU of each bridge process in the steady phase, in cores (supervisor/children; and the bench's own "
+        f"process, the producer's; the broker has the rest): {'; '.join(cores)}",
     ])
 
 
