@@ -1,7 +1,7 @@
 """A lane's chunks (lanes.py, runners.py): a sync runner takes its lane's records a chunk at a time.
 
 A chunk is taken under one lock and its successes reported under one more: a success costs its runner no lock
-and no object of its own (a pair, offset and seconds, in `Runner.done`). What a runner took and has not started
+and no object of its own (a pair, record and seconds, in `Runner.done`). What a runner took and has not started
 (`Runner.chunk`) is the lane's again whenever the runner stops short — the lane held or let go, a slow streak,
 or the watchdog finding it stalled on a record — and the successes it ran before a stalled record are taken by
 the watchdog, so the commit need not wait for that record to end. Each record moves between the lane and a

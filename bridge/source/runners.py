@@ -57,7 +57,7 @@ class Runner:
     def __init__(self) -> None:
         self.claim: list[Begun] = []
         self.chunk: deque[SourceRecord] = deque()  # taken from the lane, not started: given back when it stalls
-        # The chunk's successes (offset, seconds) not reported yet: the runner's report takes them, or the
+        # The chunk's successes (record, seconds) not reported yet: the runner's report takes them, or the
         # watchdog's when the runner stalls on a record (they are done: the commit may pass them).
         self.done: deque[tuple[SourceRecord, float]] = deque()
         self.park = False  # the record just taken is parked, not run (its key is blocked): an async runner's
