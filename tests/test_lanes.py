@@ -506,3 +506,37 @@ async def test_a_batchs_first_attempts_reach_the_breaker_and_the_metrics_with_it
     assert sum(o.count(Outcome.RETRYABLE_FAILURE) for o, _ in seen) == 30
     metrics = rig.delivery.telemetry.metrics.attempts
     assert metrics.total("q", Outcome.SUCCESS) == 270 and metrics.total("q", Outcome.RETRYABLE_FAILURE) == 30
+
+
+async def test_an_async_handlers_ordered_lane_runs_each_key_in_order_and_parks_after_a_failure(rig: Rig) -> None:
+    """ordering: key with an async handler: its runners take a record at a time (`LaneKeys.next_ready`), the
+    handler suspending so a second runner runs beside the first — never two of a key, each key in order, and
+    record 105 (key 5) failing parks key 5's later records."""
+    ran: dict[int, list[int]] = {}
+    running: set[int] = set()
+    overlaps: list[int] = []
+
+    async def suspends(ctx: HandlerContext) -> None:
+        offset = offset_of(ctx)
+        key = offset % 10
+        if key in running:
+            overlaps.append(offset)
+        running.add(key)
+        ran.setdefault(key, []).append(offset)
+        try:
+            await asyncio.sleep(0.002 if offset % 3 == 0 else 0)  # suspended: another runner takes the next
+            if offset == 105:
+                raise ConnectionError("down")
+        finally:
+            running.discard(key)
+
+    rig.stores_keys = True
+    lane = await rig.lane(suspends, limit=4, ordering="key")
+    lane.load_keys(set())
+    lane.add(keyed(300, 10))
+    assert await eventually(lambda: len(rig.results) == 300, within=10)
+    by_offset = {r.record.offset: r for r in rig.results}
+    assert len(by_offset) == 300 and overlaps == []
+    assert ran[5] == list(range(5, 106, 10))
+    assert all((t := by_offset[o].task) is not None and t.status == Status.PARKED for o in range(115, 300, 10))
+    assert all(ran[key] == list(range(key, 300, 10)) for key in set(range(10)) - {5})

@@ -29,23 +29,21 @@ class LaneKeys:
         self.set_aside = 0
 
     def next_ready(self, ready: deque[SourceRecord]) -> tuple[SourceRecord, bool] | None:
-        """The first ready record whose key is not running, and whether it is to be parked (its key is
-        blocked); those of running keys wait aside, in order. The record's key runs from now."""
-        while ready:
-            record = ready.popleft()
-            key = record.key
-            if key is not None and (key in self.running or self.storing(key)):
-                self.waiting.setdefault(key, deque()).append(record)
-                self.set_aside += 1
-                continue
-            if key is not None:
-                self.running.add(key)  # parks of a key are serialized too: the store decides in order
-            return record, key is not None and key in self.blocked
-        return None
+        """`take` for one record (an async runner's): the record and whether it is to be parked."""
+        chunk: deque[SourceRecord] = deque()
+        parked: set[int] = set()
+        self.take(ready, 1, chunk, parked)
+        return (chunk[0], bool(parked)) if chunk else None
 
     def take(self, ready: deque[SourceRecord], n: int, chunk: deque[SourceRecord], parked: set[int]) -> int:
-        """`next_ready` for a chunk (one call, not one a record): up to n records into `chunk`, the offsets of
-        those to park into `parked`. Their payload bytes."""
+        """Up to n ready records into `chunk`, one a key, each key running from now; the offsets of those whose
+        key is blocked (to be parked) into `parked`; records of a running key wait aside, in order. Their
+        payload bytes.
+
+        A key with a task on its way into the store (blocked, tasks pending) waits too: the store decides each
+        record of a key in offset order. (Parked behind a head whose insert failed and is retried, a later record
+        was stored PENDING and ran beside it; or it was stored first, and the retried earlier one then looked
+        like a redelivery and was dropped.) Parks of a key are serialized as runs are."""
         running, blocked, waiting = self.running, self.blocked, self.waiting
         taken = 0
         while ready and n:
@@ -53,7 +51,7 @@ class LaneKeys:
             key = record.key
             if key is not None:
                 entry = blocked.get(key)
-                if key in running or (entry is not None and entry[1] > 0):  # running, or `storing`
+                if key in running or (entry is not None and entry[1] > 0):  # running, or a task on its way
                     waiting.setdefault(key, deque()).append(record)
                     self.set_aside += 1
                     continue
@@ -80,14 +78,6 @@ class LaneKeys:
             entry = self.blocked.get(key)
             if entry is not None and entry[0] == gen and entry[1] == 0:
                 del self.blocked[key]
-
-    def storing(self, key: bytes) -> bool:
-        """A task of this key is on its way into the store: the key's next record waits for it, so the store
-        decides each record of a key in offset order. (Parked behind a head whose insert failed and is retried, a
-        later record was stored PENDING and ran beside it; or it was stored first, and the retried earlier one
-        then looked like a redelivery and was dropped.)"""
-        entry = self.blocked.get(key)
-        return entry is not None and entry[1] > 0
 
     def stored(self, keys: list[bytes | None], ready: deque[SourceRecord]) -> bool:
         """Tasks reported for these keys are in the store now (or were put back to run again). True when a

@@ -270,26 +270,21 @@ class Lane(ChunkedRunners):
         assert queue is not None
         return Ran(record, self.queue_name, self.delivery.parked(record, self.queue_name, queue))
 
-    def _report(self, ran: Ran, slow: bool = False) -> None:
+    def _report(self, ran: Ran) -> None:
         """A record's end, from a runner (or the watchdog): handed to the loop in batches."""
         if ran.task is not None and self._on_failure is not None:
             self._on_failure(self, ran)
         with self._lock:
-            wake, spawn, back = self._add_result(ran, slow)
-        self._after_result(wake, spawn, back)
+            wake, back = self._add_result(ran)
+        self._after_result(wake, 0, back)
 
-    def _add_result(self, ran: Ran, slow: bool) -> tuple[bool, int, bool]:
-        """(Under the lock.) Queue a result for the loop: (wake the loop, runners to start, a key's record ready
-        again)."""
+    def _add_result(self, ran: Ran) -> tuple[bool, bool]:
+        """(Under the lock.) Queue a result for the loop: (wake the loop, a key's record ready again)."""
         self._results.append(ran)
         back = self.ordered and self._keys.ended(ran, self.ready)
         wake = not self._wake_pending
         self._wake_pending = True
-        spawn = 0
-        if slow and self.ready and not self.held and not self._starting and not self._load.busy:
-            spawn = max(0, min(self.limit - len(self._runners), len(self.ready)))
-            self._starting += spawn
-        return wake, spawn, back
+        return wake, back
 
     def _after_result(self, wake: bool, spawn: int, back: bool) -> None:
         if wake:
@@ -299,10 +294,9 @@ class Lane(ChunkedRunners):
         elif back:
             self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
-    def report_and_next(self, runner: Runner, ran: Ran, slow: bool) -> SourceRecord | None:
-        """A sync runner's record ended: report it and take the next one, under one lock (a fast handler's record
-        costs one lock, not three). None: nothing more for this runner — or the watchdog abandoned the record
-        and reported it already (this thread was counted stuck)."""
+    def report_and_next(self, runner: Runner, ran: Ran) -> SourceRecord | None:
+        """An async runner's record ended: report it and take the next one, under one lock. None: nothing more
+        for this runner — or the watchdog abandoned the record and reported it already."""
         if ran.task is not None:
             with self._lock:
                 if runner.abandoned and runner not in self._runners:
@@ -314,15 +308,10 @@ class Lane(ChunkedRunners):
             if runner.abandoned and runner not in self._runners:
                 return None  # the watchdog ended this record (its claim) and reported it
             runner.current = None
-            if slow or self.ordered:
-                wake, spawn, back = self._add_result(ran, slow)
-            else:  # a fast record of an unordered lane, inline: the common case
-                self._results.append(ran)
-                wake, spawn, back = not self._wake_pending, 0, False
-                self._wake_pending = True
+            wake, back = self._add_result(ran)
             record = self._take_next(runner)
-        if wake or spawn or back:
-            self._after_result(wake, spawn, back)
+        if wake or back:
+            self._after_result(wake, 0, back)
         return record
 
     def maybe_second_runner(self) -> None:

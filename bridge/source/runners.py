@@ -97,7 +97,7 @@ class RunnersLane(Protocol):
     def is_suspect(self, offset: int) -> bool: ...
     def runner_started(self) -> None: ...
     def next_record(self, runner: Runner) -> SourceRecord | None: ...
-    def report_and_next(self, runner: Runner, ran: Ran, slow: bool) -> SourceRecord | None: ...
+    def report_and_next(self, runner: Runner, ran: Ran) -> SourceRecord | None: ...
     def parked(self, record: SourceRecord) -> Ran: ...
     def maybe_second_runner(self) -> None: ...
     def runner_ended(self, runner: Runner) -> None: ...
@@ -114,12 +114,12 @@ def _next_to_run(lane: RunnersLane, runner: Runner, record: SourceRecord | None)
     task at once (a suspect, no handler here) are reported on the way. None: nothing more for this runner."""
     while record is not None:
         if runner.park:
-            record = lane.report_and_next(runner, lane.parked(record), False)
+            record = lane.report_and_next(runner, lane.parked(record))
             continue
         prepared = lane.delivery.prepare(record, lane.queue_name, lane.is_suspect(record.offset))
         if isinstance(prepared, Begun):
             return prepared
-        record = lane.report_and_next(runner, Ran(record, lane.queue_name, prepared), False)
+        record = lane.report_and_next(runner, Ran(record, lane.queue_name, prepared))
     return None
 
 
@@ -225,6 +225,6 @@ async def drain_async(lane: RunnersLane, runner: Runner) -> None:
                 if runner.abandoned:
                     return  # the watchdog reported this record
                 raise
-            begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran, False))
+            begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran))
     finally:
         lane.runner_ended(runner)
