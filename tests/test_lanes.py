@@ -408,6 +408,19 @@ def keyed(n: int, keys: int) -> list[SourceRecord]:
     return [SourceRecord("t", 0, i, str(i % keys).encode(), b"{}", None, ()) for i in range(n)]
 
 
+async def run_keyed(rig: Rig, handler: Callable[..., Any], n: int) -> tuple[Lane, dict[int, Ran]]:
+    """`keyed(n, 10)` through an ordered lane (limit 4) whose failures' tasks the store confirms: once all n are
+    reported, each once, the lane and what each record became."""
+    rig.stores_keys = True
+    lane = await rig.lane(handler, limit=4, ordering="key")
+    lane.load_keys(set())
+    lane.add(keyed(n, 10))
+    assert await eventually(lambda: len(rig.results) == n, within=10)
+    by_offset = {r.record.offset: r for r in rig.results}
+    assert len(by_offset) == n
+    return lane, by_offset
+
+
 class KeyRecorder:
     """A sync handler for an ordered lane of `keyed(n, 10)` records: notes each key's records in the order they
     ran, and any time two records of one key ran at once."""
@@ -444,13 +457,8 @@ async def test_an_ordered_lanes_chunks_hold_one_record_a_key_and_park_a_failed_k
     205 (key 5) fails: key 5's later records must be parked, not run — whether they were in the same chunk or
     arrive after — and every other key's records run once each, in offset order."""
     handler = KeyRecorder(fails=205)
-    rig.stores_keys = True
-    lane = await rig.lane(handler, limit=4, ordering="key")
-    lane.load_keys(set())
-    lane.add(keyed(1000, 10))
-    assert await eventually(lambda: len(rig.results) == 1000, within=10)
-    by_offset = {r.record.offset: r for r in rig.results}
-    assert len(by_offset) == 1000 and handler.overlaps == []
+    lane, by_offset = await run_keyed(rig, handler, 1000)
+    assert handler.overlaps == []
     assert handler.ran[5] == list(range(5, 206, 10))  # nothing of key 5 ran after its failure
     parked = [o for o in range(215, 1000, 10)]
     assert all((t := by_offset[o].task) is not None and t.status == Status.PARKED for o in parked)
@@ -530,13 +538,8 @@ async def test_an_async_handlers_ordered_lane_runs_each_key_in_order_and_parks_a
         finally:
             running.discard(key)
 
-    rig.stores_keys = True
-    lane = await rig.lane(suspends, limit=4, ordering="key")
-    lane.load_keys(set())
-    lane.add(keyed(300, 10))
-    assert await eventually(lambda: len(rig.results) == 300, within=10)
-    by_offset = {r.record.offset: r for r in rig.results}
-    assert len(by_offset) == 300 and overlaps == []
+    _, by_offset = await run_keyed(rig, suspends, 300)
+    assert overlaps == []
     assert ran[5] == list(range(5, 106, 10))
     assert all((t := by_offset[o].task) is not None and t.status == Status.PARKED for o in range(115, 300, 10))
     assert all(ran[key] == list(range(key, 300, 10)) for key in set(range(10)) - {5})
