@@ -1,6 +1,7 @@
 """One state per assigned partition (source/partitions.py): its phase moves only forward, an illegal move is
 refused loudly, and a later assignment of the same partition is a different object that an earlier one's
-clean-up cannot touch. Its offset tracker (source/offsets.py) commits only past records that are done."""
+clean-up cannot touch. Its offset tracker (source/offsets.py) commits only past records that are done; its polls
+ask for as many records as the byte budget allows (source/consumer.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bridge.source.consumer import next_poll_size
 from bridge.source.offsets import PartitionTracker
 from bridge.source.partitions import IllegalMove, Partitions, PartitionState, Phase
 
@@ -141,3 +143,17 @@ def test_a_slow_record_does_not_keep_every_offset_done_behind_it() -> None:
     assert len(tracker._order) < 10_000
     tracker.done(0)
     assert tracker.commit_offset() == 200_001 and tracker.pending == 0
+
+
+def test_polls_grow_to_two_thousand_small_records_and_stay_within_the_byte_budget() -> None:
+    """A poll asks for four times the last, up to 2,000 records (each poll costs a journal write: fewer, larger
+    polls ran the happy path faster); large records are asked for fewer at a time, a quarter of the backlog's
+    budget (half of kafka.max_buffered_mb) a poll at most."""
+    sizes, size = [], 4
+    for _ in range(7):
+        size = next_poll_size(size, 1024, 64.0)
+        sizes.append(size)
+    assert sizes == [16, 64, 256, 1024, 2000, 2000, 2000]
+    assert next_poll_size(2000, 100_000, 64.0) == 83  # 32 MiB / 4 / 100 kB
+    assert next_poll_size(2000, 900_000, 8.0) == 1  # never none
+    assert next_poll_size(1, 0, 64.0) == 4  # empty values count as one byte

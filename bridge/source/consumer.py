@@ -42,12 +42,24 @@ from bridge.source.runners import CpuLoad
 from bridge.store.tasks import Store
 
 log = logging.getLogger(__name__)
-_BATCH = 500
+# Records asked of one poll at most. Each poll costs a journal write (one group commit), a hop to the consumer
+# thread and back and a task: polls of 2,000 rather than 500 ran the happy path 5-8 % faster (bench_kafka happy,
+# alternated). The byte budget (`next_poll_size`) caps it for large records.
+_BATCH = 2000
 _FIRST_POLL = 4
 _POLL_TIMEOUT = 0.1
 _OFFSET_FLUSH_INTERVAL = 0.2
 _JOURNALS_IN_FLIGHT = 4  # fetched batches waiting for their journal write before the poll waits too
 _WATCH_INTERVAL = 0.05  # how late past its lease a hung first delivery may be noticed
+
+
+def next_poll_size(current: int, average_bytes: float, max_buffered_mb: float) -> int:
+    """How many records the next poll asks for: four times the last, up to `_BATCH`. One poll returns whatever
+    librdkafka fetched, past queued.max.messages.kbytes: with large records (`average_bytes` of the last poll's),
+    fewer at a time, so a poll brings at most a quarter of the backlog's budget (half of max_buffered_mb)."""
+    budget = max_buffered_mb * 1024 * 1024 / 2
+    fits = int(budget / 4 / max(average_bytes, 1.0))
+    return max(1, min(_BATCH, fits, current * 4))
 
 
 def _first(value: int | None, default: int) -> int:
@@ -183,12 +195,8 @@ class SourceConsumer:
         return first + self.kafka.consume(self._poll_size - 1, 0)
 
     def _size_polls(self, records: list[SourceRecord]) -> None:
-        """One poll returns whatever librdkafka fetches within its timeout, past queued.max.messages.kbytes: with
-        large records, ask for fewer at a time, so a poll brings at most a quarter of the backlog's budget."""
         average = sum([len(r.value) for r in records]) / len(records)
-        budget = self.config.kafka.max_buffered_mb * 1024 * 1024 / 2
-        fits = int(budget / 4 / max(average, 1.0))
-        self._poll_size = max(1, min(_BATCH, fits, self._poll_size * 4))
+        self._poll_size = next_poll_size(self._poll_size, average, self.config.kafka.max_buffered_mb)
 
     @staticmethod
     def _log_errors(messages: list[Any]) -> None:
