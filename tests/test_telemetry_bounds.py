@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from bridge.model import Outcome
-from bridge.telemetry.core import _DURATION_BUCKETS, MAX_ERROR_TYPES, AttemptMetrics, Metrics, buckets_of
+from bridge.telemetry.core import DURATION_BUCKETS, MAX_ERROR_TYPES, AttemptMetrics, Metrics, buckets_of
 
 
 def test_error_type_labels_are_bounded_per_queue() -> None:
@@ -35,7 +35,7 @@ def test_batched_attempt_metrics_scrape_as_prometheus_counter_and_histogram_woul
     counter = Counter("rdq_attempts", "Handler attempts by outcome (first deliveries included)",
                       ["queue", "outcome"], registry=reference)
     histogram = Histogram("rdq_handler_duration_seconds", "Handler run time", ["queue"],
-                          buckets=_DURATION_BUCKETS, registry=reference)
+                          buckets=DURATION_BUCKETS, registry=reference)
     for queue in ("a", "b"):
         for outcome, seconds in attempts:
             counter.labels(queue, outcome.value).inc()
@@ -43,7 +43,7 @@ def test_batched_attempt_metrics_scrape_as_prometheus_counter_and_histogram_woul
     counter.labels("a", "LEASE_EXPIRED").inc(2)
 
     batched = CollectorRegistry()
-    metrics = AttemptMetrics(batched, _DURATION_BUCKETS)
+    metrics = AttemptMetrics(batched, DURATION_BUCKETS)
     metrics.add("a", attempts[:2])
     metrics.add("a", attempts[2:])
     metrics.add_many("b", [outcome for outcome, _ in attempts], [seconds for _, seconds in attempts])  # a lane's
@@ -56,8 +56,8 @@ def test_batched_attempt_metrics_scrape_as_prometheus_counter_and_histogram_woul
     assert samples(batched) == samples(reference)
 
 
-_SECONDS = st.one_of(st.sampled_from([0.0, *_DURATION_BUCKETS]), st.floats(0, 20, allow_nan=False),
-                     st.sampled_from([b * (1 + 1e-12) for b in _DURATION_BUCKETS]))
+_SECONDS = st.one_of(st.sampled_from([0.0, *DURATION_BUCKETS]), st.floats(0, 20, allow_nan=False),
+                     st.sampled_from([b * (1 + 1e-12) for b in DURATION_BUCKETS]))
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,12 +73,12 @@ def test_a_batch_with_its_successes_counted_scrapes_as_one_observation_at_a_time
     counter = Counter("rdq_attempts", "Handler attempts by outcome (first deliveries included)",
                       ["queue", "outcome"], registry=reference)
     histogram = Histogram("rdq_handler_duration_seconds", "Handler run time", ["queue"],
-                          buckets=_DURATION_BUCKETS, registry=reference)
+                          buckets=DURATION_BUCKETS, registry=reference)
     for outcome, seconds in [*ran, *((Outcome.SUCCESS, s) for s in ok)]:
         counter.labels("q", outcome.value).inc()
         histogram.labels("q").observe(seconds)
     batched = CollectorRegistry()
-    AttemptMetrics(batched, _DURATION_BUCKETS).add_many("q", [o for o, _ in ran], [s for _, s in ran] + ok, len(ok))
+    AttemptMetrics(batched, DURATION_BUCKETS).add_many("q", [o for o, _ in ran], [s for _, s in ran] + ok, len(ok))
     assert _samples(batched) == _samples(reference)
 
 

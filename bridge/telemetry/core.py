@@ -38,7 +38,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 # uses (it reads resets from the values); the bridge is its own process, so the switch is process-wide.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 MAX_ERROR_TYPES = 50  # distinct `error_type` label values per queue; more count as "other"
-_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _TIME_TO_SUCCESS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
 
 
@@ -51,7 +51,7 @@ class Metrics:
         self.records = Counter("rdq_records_consumed", "Source records consumed", ["queue"], registry=r)
         self.tasks_created = Counter("rdq_tasks_created", "Tasks created from failed first deliveries",
                                      ["queue", "status"], registry=r)
-        self.attempts = AttemptMetrics(r, _DURATION_BUCKETS)
+        self.attempts = AttemptMetrics(r, DURATION_BUCKETS)
         self.dead = Counter("rdq_dead", "Tasks dead-lettered, by error type", ["queue", "error_type"], registry=r)
         self.redrives = Counter("rdq_redrives", "Tasks redriven", ["queue"], registry=r)
         self.dlq_published = Counter("rdq_dlq_published", "DLQ records acknowledged by the broker", ["queue"],
