@@ -145,15 +145,15 @@ def test_a_slow_record_does_not_keep_every_offset_done_behind_it() -> None:
     assert tracker.commit_offset() == 200_001 and tracker.pending == 0
 
 
-def test_polls_grow_to_two_thousand_small_records_and_stay_within_the_byte_budget() -> None:
-    """A poll asks for four times the last, up to 2,000 records (each poll costs a journal write: fewer, larger
-    polls ran the happy path faster); large records are asked for fewer at a time, a quarter of the backlog's
-    budget (half of kafka.max_buffered_mb) a poll at most."""
+def test_polls_grow_to_five_hundred_small_records_and_stay_within_the_byte_budget() -> None:
+    """A poll asks for four times the last, up to 500 records (a poll's in-flight range is what a crash turns into
+    suspects: larger polls dead-lettered records under poison pills); large records are asked for fewer at a
+    time, a quarter of the backlog's budget (half of kafka.max_buffered_mb) a poll at most."""
     sizes, size = [], 4
-    for _ in range(7):
+    for _ in range(5):
         size = next_poll_size(size, 1024, 64.0)
         sizes.append(size)
-    assert sizes == [16, 64, 256, 1024, 2000, 2000, 2000]
-    assert next_poll_size(2000, 100_000, 64.0) == 83  # 32 MiB / 4 / 100 kB
-    assert next_poll_size(2000, 900_000, 8.0) == 1  # never none
+    assert sizes == [16, 64, 256, 500, 500]
+    assert next_poll_size(500, 100_000, 64.0) == 83  # 32 MiB / 4 / 100 kB
+    assert next_poll_size(500, 900_000, 8.0) == 1  # never none
     assert next_poll_size(1, 0, 64.0) == 4  # empty values count as one byte
