@@ -355,6 +355,9 @@ class NewTask:
     order_key: str | None = None
     order_seq: int | None = None
     order_hold: bool = False
+    # False: the first attempt is in the history but not counted against max_attempts (a record in flight when
+    # its bridge died, whose attempt would have been its last: source/first_delivery.py, `suspect_task`).
+    first_attempt_counted: bool = True
 
     def __post_init__(self) -> None:
         if self.status == Status.PENDING and self.next_attempt_at is None:
@@ -373,7 +376,7 @@ class NewTask:
             "handler_version": self.handler_version, "payload": self.payload,
             "payload_content_type": self.payload_content_type,
             "headers": headers_json(self.headers), "status": self.status.value,
-            "attempt_count": 1 if self.first_attempt else 0,
+            "attempt_count": 1 if self.first_attempt and self.first_attempt_counted else 0,
             "next_attempt_at": None if dead else self.next_attempt_at, "created_at": self.created_at,
             "finished_at": self.created_at if dead else None,
             "dead_reason_type": self.dead_reason.type if self.dead_reason else None,

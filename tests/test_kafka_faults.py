@@ -5,6 +5,7 @@ away and coming back, a second bridge joining and leaving. Every produced record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -118,6 +119,58 @@ def test_a_handler_that_kills_its_process_ends_in_the_dlq(kafka: KafkaEnv, tmp_p
     assert sorted(r.source for r in records) == [f"kafka://{topic}/{records[0].source.split('/')[3]}/{i}"
                                                  for i in range(3)]
     assert bridge.starts >= 4  # it killed the bridge on its runs
+
+
+def test_records_in_flight_at_a_kill_are_retried_not_dead_lettered_with_max_attempts_1(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """max_attempts 1, one record at a time, SIGKILL once a poll is journaled: its 30 records come back as
+    suspects, most of them never begun (the journal holds a poll's range, not what started). Each is stored with
+    its LEASE_EXPIRED attempt uncounted (it would have been its last), retried, and succeeds: none is
+    dead-lettered without a run that surely began (before, all 30 went to the DLQ unrun)."""
+    import sqlite3
+
+    from bridge.source.first_delivery import SUSPECT_NOTE
+
+    topic, dlq = f"in-{unique}", f"dlq-{unique}"
+    log_path = tmp_path / "example.log"
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "once": {"handler": "flaky", "sources": [topic], "dlq_topic": dlq, "max_attempts": 1,
+                 "backoff": {"kind": "fixed", "base": "50ms"}}},
+        kafka={"topic_partitions": 1, "partition_concurrency": 1})
+    ensure_topics(config)
+    produce(config, topic, [(b"k", json.dumps({"ms": 3000 if i == 0 else 0}).encode(), []) for i in range(30)])
+    bridge = BridgeProcess(config, tmp_path / "bridge.yaml", {"RDQ_EXAMPLE_LOG": str(log_path)}).start()
+    store = config.store.path
+
+    def journaled() -> int:
+        if not store.exists():
+            return 0
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as db:
+            try:
+                return int(db.execute("SELECT count(*) FROM inflight").fetchone()[0])
+            except sqlite3.OperationalError:  # not migrated yet
+                return 0
+
+    deadline = time.monotonic() + 60
+    while not journaled() and time.monotonic() < deadline:
+        assert bridge.alive, bridge.tail()
+        time.sleep(0.02)
+    bridge.kill()  # within the first record's 3 s: the other 29 have not begun
+    assert not example_log(log_path), "a record finished before the kill: the test did not catch a poll in flight"
+    bridge.start()
+    try:
+        result = wait_accounted(lambda: account(config, log_path, topic, dlq, 30), within=120)
+        # Read while it runs: a stop hands the partition over and empties this file.
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as db:
+            uncounted = db.execute("SELECT count(DISTINCT task_id) FROM attempts WHERE note = ? AND outcome = ?",
+                                   (SUSPECT_NOTE, "LEASE_EXPIRED")).fetchone()[0]
+            counts = {row[0]: row[1] for row in db.execute(
+                "SELECT attempt_count || ' ' || status, count(*) FROM tasks GROUP BY 1")}
+    finally:
+        assert bridge.terminate() == 0, bridge.tail()
+    assert not result.missing, f"lost: {sorted(result.missing)[:5]}"  # type: ignore[attr-defined]
+    assert not result.dead, f"dead-lettered: {sorted(result.dead)[:5]}"  # type: ignore[attr-defined]
+    assert uncounted == 30 and counts == {"1 SUCCEEDED": 30}, (uncounted, counts)  # one counted attempt: the run
 
 
 async def test_broker_down_and_back_loses_nothing_without_a_restart(tmp_path: Path, unique: str,

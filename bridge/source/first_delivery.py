@@ -25,7 +25,7 @@ from typing import Any, cast
 from bridge.aio import Backoff
 from bridge.clock import Clock
 from bridge.config import QueueConfig
-from bridge.engine.policy import decide
+from bridge.engine.policy import backoff_delay, decide
 from bridge.engine.runner import SUCCESS, RunOutcome, outcome_of_exception
 from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
@@ -52,6 +52,8 @@ from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 _STORE_RETRY_MAX = 5.0
+SUSPECT_NOTE = ("in flight when its bridge stopped, maybe never begun: not counted against max_attempts (it would "
+                "have been the last)")
 
 
 def order_fields(record: SourceRecord, queue: QueueConfig) -> dict[str, Any]:
@@ -149,8 +151,6 @@ class FirstDelivery:
         if queue is None:
             reason = ErrorInfo(UNROUTABLE, f"topic {record.topic} has no queue in the configuration")
             return self._dead_task(record, queue_name, "", reason)
-        if suspect:
-            return ordered(self._crashed_task(record, queue_name, queue), record, queue)
         if queue.remote:
             # The handler lives in remote workers: the record becomes a task due now, for them to claim (with
             # ordering: key, parked behind its key's open task; the store makes it due when there is none).
@@ -160,6 +160,11 @@ class FirstDelivery:
             return NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value,
                            headers=record.task_headers(), status=Status.PENDING, created_at=now, first_attempt=None,
                            next_attempt_at=now, payload_content_type=record.content_type)
+        if suspect:  # (a remote queue's record never runs here: after a crash it is stored as it would have been)
+            handler = self.registry.get(queue.handler)
+            task = suspect_task(record, queue_name, queue, handler.version if handler else None, self.worker,
+                                self.clock.now_ms())
+            return ordered(task, record, queue)
         handler = self.registry.get(queue.handler)
         if handler is None:
             reason = ErrorInfo(UNROUTABLE, f"no handler registered as {queue.handler!r} on {self.worker}")
@@ -308,14 +313,6 @@ class FirstDelivery:
             payload_content_type=record.content_type, id=task_id,
         )  # fmt: skip
 
-    def _crashed_task(self, record: SourceRecord, queue_name: str, queue: QueueConfig) -> NewTask:
-        """The bridge died while this record's first delivery ran: attempt 1 is LEASE_EXPIRED (poison pill)."""
-        error = ErrorInfo(LEASE_EXPIRED, "the bridge stopped while this record's first delivery was running")
-        handler = self.registry.get(queue.handler)
-        return self._failed_task(record, queue_name, queue, record.task_headers(), new_task_id(),
-                                 handler.version if handler else None, self.clock.now_ms(),
-                                 RunOutcome(Outcome.LEASE_EXPIRED, error))
-
     def _dead_task(self, record: SourceRecord, queue_name: str, handler_ref: str, reason: ErrorInfo) -> NewTask:
         return NewTask(queue=queue_name, handler_ref=handler_ref, payload=record.value, headers=record.task_headers(),
                        status=Status.DEAD, created_at=self.clock.now_ms(), first_attempt=None, dead_reason=reason,
@@ -365,3 +362,19 @@ class FirstDelivery:
             self.hooks.task_dead(task.queue)
         else:
             self.hooks.task_pending(task.queue)
+
+
+def suspect_task(record: SourceRecord, queue_name: str, queue: QueueConfig, handler_version: str | None,
+                 worker: str, now: int) -> NewTask:
+    """The bridge died while this record was in flight: attempt 1 is LEASE_EXPIRED (how a poison pill that kills
+    its bridge is counted). The journal holds a poll's range, not the records that began: this one may never have
+    run. So the attempt is counted only if attempts remain after it; where it would be the last (max_attempts 1)
+    it stays in the history uncounted and the task is retried: no record is dead-lettered without one run that
+    surely began (a claim is logged before its handler runs)."""
+    error = ErrorInfo(LEASE_EXPIRED, "the bridge stopped while this record's first delivery was in flight")
+    counted = queue.max_attempts > 1
+    attempt = Attempt(1, 0, now, now, Outcome.LEASE_EXPIRED, error, worker, note=None if counted else SUSPECT_NOTE)
+    return NewTask(queue=queue_name, handler_ref=queue.handler, payload=record.value, headers=record.task_headers(),
+                   status=Status.PENDING, created_at=now, first_attempt=attempt,
+                   next_attempt_at=now + int(backoff_delay(queue.backoff, 1) * 1000), handler_version=handler_version,
+                   payload_content_type=record.content_type, first_attempt_counted=counted)
