@@ -67,3 +67,20 @@ def test_a_huge_http_retry_after_is_bounded_too() -> None:
     assert caught.value.after is not None and caught.value.after > 1e39
     decision = decide(queue(max_retry_after="2h"), Outcome.RETRYABLE_FAILURE, 1, caught.value.after)
     assert decision.retry_after == 7200.0
+
+
+def test_errors_lists_match_along_the_class_hierarchy_whatever_was_asked_before() -> None:
+    """`errors:` names a type by its name, its module path or a base class's; a type's names are walked once and
+    kept, the lists applied at each failure (two queues with different lists share the cache)."""
+    from bridge.config.models import ErrorsConfig
+    from bridge.engine.policy import classify
+
+    exc = ConnectionRefusedError("no")
+    by_base = ErrorsConfig(permanent=["OSError"])
+    by_path = ErrorsConfig(retryable=["builtins.ConnectionError"], default="permanent")
+    neither = ErrorsConfig(permanent=["KeyError"], default="retryable")
+    for _ in range(2):  # the second time from the cache
+        assert classify(exc, by_base) == Outcome.PERMANENT_FAILURE
+        assert classify(exc, by_path) == Outcome.RETRYABLE_FAILURE
+        assert classify(exc, neither) == Outcome.RETRYABLE_FAILURE
+        assert classify(exc, ErrorsConfig(default="permanent")) == Outcome.PERMANENT_FAILURE
