@@ -25,7 +25,7 @@ from bridge.changelog.restore import Restorer
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
 from bridge.changelog.writer import ChangelogWriter
 from bridge.config import BridgeConfig
-from bridge.config.processes import ChildSpec
+from bridge.config.processes import ChildSpec, core_to_spare
 from bridge.dlq.publisher import DlqPublisher
 from bridge.engine.core import Engine, default_instance_id, supervise
 from bridge.hooks import Hooks
@@ -127,7 +127,7 @@ class Bridge:
 
     def _changelog(self, topics: dict[str, str]) -> Changelog:
         config, instance = self.config, self.engine.instance_id
-        local = LocalIndex(self.store)
+        local = LocalIndex(self.store, outbox_process=core_to_spare(os.environ))
 
         def producer() -> Producer:  # its transactions carry DLQ records too
             limits = [topic_max_message_bytes(make_admin(config), config.dlq_topic(q)) for q in config.queues]

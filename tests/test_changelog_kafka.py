@@ -604,8 +604,9 @@ async def test_a_restore_over_many_batches_applies_every_batch_before_its_partit
         await local.set_changelogged([topic])
         in_process = decoding == "in a process"
         if in_process:
-            from bridge.changelog.decoder import Decoder
-            monkeypatch.setattr(Decoder, "_ready", lambda self: self._started.result(60) > 0)
+            from bridge.changelog.side import SideProcess
+            monkeypatch.setattr(SideProcess, "ready",  # waits for the process: every batch decoded in it
+                                property(lambda self: self._started is not None and self._started.result(60) > 0))
         restorer = Restorer(local, {topic: changelog}, lambda: make_restore_consumer(config, "t"), SystemClock(),
                             lambda: make_restore_consumer(config, "t", committed_only=False),
                             process_from=0 if in_process else 10**9)

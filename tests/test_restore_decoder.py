@@ -34,8 +34,8 @@ async def _in_thread(records: list[Record]) -> Picked:
 
 async def _started(decoder: Decoder) -> None:
     decoder.start()
-    assert decoder._started is not None
-    await asyncio.wrap_future(decoder._started)
+    assert decoder.process._started is not None
+    await asyncio.wrap_future(decoder.process._started)
 
 
 def test_freed_memory_can_be_given_back_here() -> None:
@@ -67,8 +67,8 @@ async def test_a_decoding_process_killed_loses_no_batch() -> None:
     decoder = Decoder(_in_thread)
     try:
         await _started(decoder)
-        assert decoder._pool is not None
-        [pid] = list(decoder._pool._processes)  # type: ignore[attr-defined]
+        assert decoder.process._pool is not None
+        [pid] = list(decoder.process._pool._processes)  # type: ignore[attr-defined]
         os.kill(pid, signal.SIGKILL)
         picked = await decoder.pick(records)  # decoded on the restore thread instead
         assert picked == pick_last(records) and decoder.batches_in_process == 0
@@ -85,8 +85,8 @@ from bridge.changelog.decoder import Decoder
 async def main():
     decoder = Decoder(None)
     decoder.start()
-    await asyncio.wrap_future(decoder._started)
-    print(json.dumps(list(decoder._pool._processes)), flush=True)
+    await asyncio.wrap_future(decoder.process._started)
+    print(json.dumps(list(decoder.process._pool._processes)), flush=True)
     time.sleep(600)
 
 if __name__ == "__main__":

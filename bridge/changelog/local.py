@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from bridge.changelog.codec import encode, with_payload
+from bridge.changelog.codec import encode
+from bridge.changelog.outbox_read import OutboxReader
 from bridge.changelog.picking import ATTEMPT_ROW, REDRIVE_ROW, TASK_ROW, Picked, Record, Row, pick_last
 from bridge.store.bulk import insert_rows
 from bridge.store.database import within_bytes
@@ -67,8 +68,11 @@ def _guarded(conn: sqlite3.Connection) -> Iterator[None]:
 
 
 class LocalIndex:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, outbox_process: bool = False) -> None:
+        """`outbox_process`: a busy writer may read its outbox in a process of its own (outbox_read.py); only
+        where a core is to spare (`core_to_spare`), or it takes one from the bridge processes."""
         self.store = store
+        self.outbox_reader = OutboxReader(store, outbox_process)
 
     # ---- writing side ----------------------------------------------------------------------------------
 
@@ -78,18 +82,15 @@ class LocalIndex:
         `skip` and the states `sent` (task id, version): both left out before they are built."""
         params = {"limit": limit, "skip": orjson.dumps(list(skip)).decode(),
                   "sent": orjson.dumps([f"{task_id} {version}" for task_id, version in sent]).decode()}
+        # Never on the writer's connection: reading and encoding thousands of tasks must not hold up its group
+        # commits (WAL: the read sees the last committed state; `mark_logged` compares versions).
+        rows = await self.outbox_reader.read(params, max_bytes)
+        return [Entry(task_id, (topic, partition), version, value)
+                for task_id, topic, partition, version, value in rows]
 
-        def read(conn: sqlite3.Connection) -> list[Entry]:
-            # Each record built by SQLite, attempts and redrives in (its steps give the GIL up, Python's encoding
-            # of the same held it: 2-3x the time, while the lanes wait), the payload spliced in base64 here.
-            with contextlib.closing(conn.execute(q("changelog_outbox_records"), params)) as rows:
-                entries = (Entry(task_id, (topic, partition), version, with_payload(record.encode(), payload))
-                           for task_id, topic, partition, version, payload, record in rows)
-                return within_bytes(entries, lambda e: len(e.value or b""), max_bytes)
-
-        # On the reader connection: reading and encoding thousands of tasks must not hold up the group commits
-        # of the writer's (WAL: it reads the last committed state; `mark_logged` compares versions).
-        return await self.store.db.scan(read)
+    def close(self) -> None:
+        """The outbox's process, if one was started, goes (outbox_read.py)."""
+        self.outbox_reader.close()
 
     async def premigration(self, limit: int, max_bytes: int = ROUND_BYTES) -> list[Entry]:
         """Tasks stored before the changelog existed (any partition): the first start writes them to it. Up to

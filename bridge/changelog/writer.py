@@ -165,6 +165,7 @@ class ChangelogWriter:
         with contextlib.suppress(Exception):
             await self._holds.settled()
         self._calls.shutdown()
+        self.local.close()
 
     async def _start_producer(self, stop: asyncio.Event) -> None:
         """Until a producer's transactions start; once stopping, one try (the last hand-over may need it)."""

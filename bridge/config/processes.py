@@ -57,12 +57,25 @@ class ChildSpec:
 def process_count(config: BridgeConfig) -> int:
     """`engine.processes`, with `auto` as the cores this process may run on."""
     wanted = config.engine.processes
-    if wanted != "auto":
-        return wanted
+    return cores() if wanted == "auto" else wanted
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity; a cgroup's quota is not seen)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def core_to_spare(environ: Mapping[str, str]) -> bool:
+    """More cores than bridge processes here (this one, or a supervisor's children): a helper process of a
+    bridge's (the changelog's outbox read) then runs beside them rather than taking a sibling's core."""
+    try:
+        spec = ChildSpec.from_env(environ)
+    except ConfigError:
+        return False
+    return cores() > (spec.count if spec is not None else 1)
 
 
 def base_identity(config: BridgeConfig) -> str:

@@ -144,6 +144,7 @@ class Database:
         # on the writer's they would queue group commits behind a whole-table count.
         self._reader: aiosqlite.Connection | None = None
         self.path = path
+        self.busy_timeout = 5.0  # as opened (`open`): other connections to the file wait as long
         self._group_commit_max = group_commit_max
         self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
@@ -167,6 +168,7 @@ class Database:
             raise StoreError(f"{path}: cannot open the store: {e}") from e
         db.row_factory = sqlite3.Row
         store = cls(db, path, group_commit_max)
+        store.busy_timeout = busy_timeout
         try:
             await store.in_thread(store._prepare, synchronous, busy_timeout)
         except Exception as e:  # also a broken install (no migrations folder): never leave the thread running
