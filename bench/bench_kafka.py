@@ -434,6 +434,7 @@ class FailureRun:
     config: BridgeConfig
     bridge: Bridge
     shares: dict[str, float]  # the changelog writer's busy share of the steady phase, by step
+    helper_rss: float  # MiB: the changelog's outbox process at the end of the steady phase (0: none ran)
 
 
 async def failure_run(bootstrap: str, tmp: Path, topic_config: BridgeConfig | None, n: int,
@@ -470,13 +471,16 @@ async def failure_run(bootstrap: str, tmp: Path, topic_config: BridgeConfig | No
         if "stored" in marks and logged:
             marks["logged"] = now
             writer["last"] = dict(bridge.changelog.writer.seconds) if bridge.changelog else {}
+            helper = bridge.changelog.writer.local.outbox_reader.process.pid() if bridge.changelog else None
+            marks["helper_rss"] = rss_mib(helper) if helper else 0.0
         return "logged" in marks
 
     _, bridge = await run_bridge_until(run, all_stored_and_logged, registry)
     steady = n - marks["first_n"]  # 0 when the first commit held them all (a tiny run): every rate 0, not 0/0
     seconds = max(marks["logged"] - marks["first"], 1e-9)
     shares = {k: (writer["last"][k] - writer["first"][k]) / seconds for k in writer.get("last", {})}
-    return FailureRun(steady / max(marks["stored"] - marks["first"], 1e-9), steady / seconds, config, bridge, shares)
+    return FailureRun(steady / max(marks["stored"] - marks["first"], 1e-9), steady / seconds, config, bridge, shares,
+                      marks["helper_rss"])
 
 
 async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
@@ -488,6 +492,7 @@ async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
     batches: list[str] = []
     writer: list[str] = []
     rss: list[float] = []
+    helpers: list[float] = []
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         config: BridgeConfig | None = None
         for _ in range(runs):
@@ -507,6 +512,7 @@ async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
             baselines.append(baseline)
             ratios.append(run.logged / baseline)
             rss.append(rss_mib())
+            helpers.append(run.helper_rss)
     record("failure path: every first attempt fails and is stored durably (synchronous=FULL)", [
         f"records: {n} x 1 KB through Kafka; each becomes a PENDING task with its first attempt; {runs} runs",
         "rate: steady state, from the first task stored to the n-th stored and in the changelog (measured while "
@@ -519,7 +525,9 @@ async def bench_failure(bootstrap: str, n: int, runs: int) -> None:
         f"store transactions per run (changelog on): {', '.join(batches)}",
         "the changelog writer's share of the steady phase, by step (its rounds run one at a time: read the "
         f"outbox, produce + commit the transaction, mark logged, release offsets): {'; '.join(writer)}",
-        f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB",
+        f"RSS of the bench process after each run: {', '.join(f'{r:.0f}' for r in rss)} MiB; of the changelog's "
+        "outbox process (outbox_read.py) at the end of each run's steady phase: "
+        f"{', '.join(f'{r:.0f}' for r in helpers)} MiB (0: none ran)",
     ])
 
 

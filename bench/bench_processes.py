@@ -62,6 +62,22 @@ def _pids(port: int, bridge: subprocess.Popen[bytes]) -> list[int]:
     return [bridge.pid, *(c["pid"] for c in children.values() if c.get("pid"))]
 
 
+def _own_children(pid: int) -> list[int]:
+    """The processes `pid` started (a bridge's helper, a supervisor's children), from /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _rss_text(run: BridgeRun) -> str:
+    """Each process's RSS; a helper process's after its bridge's in parentheses."""
+    return "/".join(f"{s:.0f}" + (f" (+{h:.0f})" if h else "") for s, h in zip(run.rss, run.helpers_rss, strict=True))
+
+
 def _cpu_busy() -> tuple[float, float]:
     """The machine's busy and total CPU time so far (jiffies, every core), from /proc/stat."""
     fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -86,6 +102,7 @@ class BridgeRun(NamedTuple):
     rate: float  # steady records/s
     wall: float  # s from the first record produced
     rss: list[float]  # MiB, each process: the supervisor, then the children
+    helpers_rss: list[float]  # MiB, each process's own helper processes (the changelog's outbox read), summed
     busy: float  # the machine's CPU busy share during the steady phase
     cores: list[float]  # each process's CPU during the steady phase, in cores: the supervisor, then the children
     bench_cores: float  # this process's (the producer's) meanwhile
@@ -144,7 +161,8 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
         # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
         steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
         pids = _pids(port, bridge)
-        return BridgeRun(steady, now - began, [rss_mib(pid) for pid in pids], busy / total if total else 0.0,
+        helpers = [sum(rss_mib(h) for h in _own_children(pid) if h not in pids) for pid in pids]
+        return BridgeRun(steady, now - began, [rss_mib(pid) for pid in pids], helpers, busy / total if total else 0.0,
                          [cores.get(pid, 0.0) for pid in pids], cores.get(os.getpid(), 0.0))
     finally:
         bridge.send_signal(signal.SIGTERM)
@@ -178,7 +196,7 @@ def bench_failure(bootstrap: str, n: int, runs: int) -> None:
                 run = run_bridge(config, Path(tmp), processes, n, FAILING, "rdq_tasks_created", status="PENDING")
                 rates[processes].append(run.rate)
                 busy[processes].append(run.busy)
-                rss.append(f"{processes}: " + "/".join(f"{s:.0f}" for s in run.rss))
+                rss.append(f"{processes}: " + _rss_text(run))
             ratios.append(rates[2][-1] / rates[1][-1])
     record("failure path on every core: processes 2 vs 1 (every first attempt fails and is stored durably)", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; each becomes a PENDING task with its first attempt; {runs} "
@@ -190,7 +208,8 @@ def bench_failure(bootstrap: str, n: int, runs: int) -> None:
         "(goal >= 1.6)",
         f"the machine's CPU busy during the steady phase (every core; the broker runs here too): processes 1 "
         f"{_spread([b * 100 for b in busy[1]])} %, processes 2 {_spread([b * 100 for b in busy[2]])} %",
-        f"RSS MiB per process (processes: supervisor/children): {'; '.join(rss)}",
+        f"RSS MiB per process (processes: supervisor/children; in parentheses a bridge's helper process, the "
+        f"changelog's outbox read, where one ran): {'; '.join(rss)}",
     ])
 
 
@@ -270,7 +289,7 @@ def bench_happy(bootstrap: str, n: int, runs: int) -> None:
             busy.append(run.busy)
             bridge.append(run.rate)
             ratios.append(run.rate / bare[-1])
-            rss.append("/".join(f"{s:.0f}" for s in run.rss))
+            rss.append(_rss_text(run))
             cores.append("/".join(f"{c:.2f}" for c in run.cores) + f" (bench {run.bench_cores:.2f})")
     record("happy path on every core: processes 2 vs a bare loop of 2 members", [
         f"records: {n} x 1 KB, {PARTITIONS} partitions; {runs} runs, each: two bare confluent-kafka members (two "
@@ -282,7 +301,8 @@ def bench_happy(bootstrap: str, n: int, runs: int) -> None:
         "(goal >= 0.8)",
         f"the machine's CPU busy (every core; the broker and the producer run here too): the bare pair "
         f"{_spread([b * 100 for b in bare_busy])} %, the bridge {_spread([b * 100 for b in busy])} %",
-        f"RSS MiB per bridge process (supervisor/children): {'; '.join(rss)}",
+        f"RSS MiB per bridge process (supervisor/children; in parentheses a helper process, where one ran): "
+        f"{'; '.join(rss)}",
         "CPU of each bridge process in the steady phase, in cores (supervisor/children; and the bench's own "
         f"process, the producer's; the broker has the rest): {'; '.join(cores)}",
     ])
