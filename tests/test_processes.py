@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from bridge.config import BridgeConfig, ConfigError, parse_config
+from bridge.config.cores import cores
 from bridge.config.processes import ChildSpec, as_child, base_identity, child_config, process_count
 from bridge.kafka_clients import ensure_topics, transactional_id
 from localkafka.broker import free_port
@@ -84,7 +85,7 @@ def test_the_child_environment_is_read_and_bad_values_refused() -> None:
 
 def test_processes_is_a_count_or_auto() -> None:
     assert process_count(parse_config(_tree(engine={"processes": 4}))) == 4
-    assert process_count(parse_config(_tree(engine={"processes": "auto"}))) == len(os.sched_getaffinity(0))
+    assert process_count(parse_config(_tree(engine={"processes": "auto"}))) == cores()  # tests/test_cores.py
     for bad in (0, 257, "two", True):
         with pytest.raises(ConfigError, match=r"engine\.processes"):
             parse_config(_tree(engine={"processes": bad}))

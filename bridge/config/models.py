@@ -294,7 +294,8 @@ class TelemetryConfig(_Model):
 class EngineConfig(_Model):
     instance_id: str | None = None
     # Bridge processes under one supervisor (bridge/supervisor): each a member of the consumer group with its own
-    # store file, transactional id and instance id `<id>-<i>`. `auto`: one per core this process may run on.
+    # store file, transactional id and instance id `<id>-<i>`. `auto`: one per core this process may run on
+    # (affinity, or a cgroup's CPU quota rounded up where lower: bridge/config/cores.py).
     processes: Annotated[int, Field(ge=1, le=256, strict=True)] | Literal["auto"] = 1
     sweep_interval: PositiveDuration = 1.0
     grace_period: Duration = 10.0

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bridge.config.cores import cores
 from bridge.config.models import BridgeConfig, ConfigError
 
 CHILD_ENV = "RDQ_CHILD"
@@ -58,14 +58,6 @@ def process_count(config: BridgeConfig) -> int:
     """`engine.processes`, with `auto` as the cores this process may run on."""
     wanted = config.engine.processes
     return cores() if wanted == "auto" else wanted
-
-
-def cores() -> int:
-    """The cores this process may run on (its CPU affinity; a cgroup's quota is not seen)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def core_to_spare(environ: Mapping[str, str]) -> bool:
