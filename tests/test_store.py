@@ -10,8 +10,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bridge.model import ErrorInfo, Outcome, Status, error_type_matches, order_key_of
+from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, error_type_matches, order_key_of
+from bridge.store.bulk import ATTEMPT_COLUMNS, NEW_TASK_COLUMNS, attempt_row, task_row
 from bridge.store.database import StoreError
 from bridge.store.queries import migrations
 from bridge.store.tasks import Store
@@ -597,3 +600,32 @@ async def test_a_dlq_batch_reads_a_bounded_number_of_payload_bytes_and_the_next_
         batches.append([e.task.id for e in entries])
     assert [len(b) for b in batches] == [3, 3, 3, 1]
     assert sorted(i for b in batches for i in b) == sorted(t.id for t in tasks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(status=st.sampled_from([Status.PENDING, Status.DEAD]), attempt=st.booleans(), counted=st.booleans(),
+       error=st.booleans(), source=st.sampled_from([None, "kafka://orders/3/17", "kafka://a/b/c", "file://x"]),
+       timestamp=st.sampled_from([None, "1800000000000"]), note=st.sampled_from([None, "a note"]),
+       version=st.sampled_from([None, "v2"]), late=st.sampled_from([None, 3]))
+def test_a_new_task_row_is_its_params_in_the_bulk_insert_columns(
+        status: Status, attempt: bool, counted: bool, error: bool, source: str | None, timestamp: str | None,
+        note: str | None, version: str | None, late: int | None) -> None:
+    """`task_row` and `attempt_row` write the values `params()` names out again, for speed: every field
+    and branch of the two must agree, or the bulk insert stores other values than the one-by-one insert."""
+    headers = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+    if source is not None:
+        headers["rdq.source"] = source
+    if timestamp is not None:
+        headers["rdq.kafka.timestamp"] = timestamp
+    info = ErrorInfo("builtins.ValueError", "bad", "Traceback ...") if error else None
+    first = Attempt(1, 0, T0, T0 + 5, Outcome.RETRYABLE_FAILURE, info, "w-1", late, note=note) if attempt else None
+    dead = status == Status.DEAD
+    task = NewTask(queue="q", handler_ref="h", payload=b"\x00p", headers=headers, status=status, created_at=T0,
+                   first_attempt=first, next_attempt_at=None if dead else T0 + 1000,
+                   dead_reason=ErrorInfo("rdq.Permanent", "no") if dead else None, handler_version=version,
+                   first_attempt_counted=counted)
+    params = task.params()
+    assert task_row(task) == tuple(params[name] for name in NEW_TASK_COLUMNS)
+    if first is not None:
+        attempt_params = first.params(task.id)
+        assert attempt_row(first, task.id) == tuple(attempt_params[name] for name in ATTEMPT_COLUMNS)
