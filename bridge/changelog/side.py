@@ -11,13 +11,16 @@ with no chance to say so (SIGKILL) is noticed within half a second — no proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
@@ -47,7 +50,8 @@ class SideProcess:
             # spawn: a fork would copy librdkafka's threads' locks mid-use, and the event loop.
             self._pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"), _serve,
                                              (os.getpid(), self._initializer, self._initargs))
-            self._started = self._pool.submit(os.getpid)
+            with _main_script_left_alone():
+                self._started = self._pool.submit(os.getpid)  # the process is spawned here, in this call
             return True
         except (OSError, ValueError, RuntimeError) as e:
             log.warning("%s: no process of its own (%s); the work stays on a thread", self.name, e)
@@ -93,6 +97,22 @@ class SideProcess:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+@contextlib.contextmanager
+def _main_script_left_alone() -> Iterator[None]:
+    """While a process is spawned: multiprocessing tells the child to import the parent's `__main__` again (by
+    its module name or its file), which runs a script without `if __name__ == "__main__":` whole a second time —
+    in a helper of the bridge's, a second bridge. What the child runs here (`_serve`, the work's functions) lives
+    in bridge's modules, so the child is told of no main module: `__main__` stands in for one without a file or
+    spec for the length of the start (a few ms; nothing of the bridge's reads it meanwhile)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 def _serve(parent: int, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
