@@ -157,6 +157,35 @@ async def test_an_abort_that_conflicts_with_one_still_running_gets_a_new_produce
         await _published_by_a_new_producer(bridge, 120)
 
 
+class _AbortTimesOut(_Wedged):
+    """As the nemesis saw (2026-12-06, seed 13): a round's offsets time out, its abort times out too (its request
+    unsent in the coordinator connection's queue), and from then on librdkafka answers the next round's
+    `begin_transaction` with `_CONFLICT`: the abort still runs. Resumed, it timed out again, round after round."""
+
+    def __init__(self, producer: Any) -> None:
+        super().__init__(producer)
+        self.aborts = 0
+
+    def abort_transaction(self, *args: Any) -> None:
+        self.aborts += 1
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out waiting for operation to finish, retry "
+                                        "call to resume", retriable=True))
+
+    def begin_transaction(self, *args: Any) -> None:
+        if self.aborts:
+            raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting abort_transaction API call is "
+                                            "already in progress", retriable=True))
+        self._producer.begin_transaction(*args)
+
+
+async def test_a_round_that_conflicts_with_an_abort_still_running_gets_a_new_producer_at_once(
+        kafka: Any, tmp_path: Path, unique: str) -> None:
+    async with _faulty_changelog(kafka, tmp_path, unique, _AbortTimesOut) as (bridge, writer, stuck):
+        await wait_until(lambda: writer._producer is not stuck, within=120, what="a new changelog producer")
+        assert stuck.aborts == 1  # the conflicting round replaced it, not five more aborts of 30 s each
+        await _published_by_a_new_producer(bridge, 120)
+
+
 class _NeverReturns(_Wedged):
     """`send_offsets_to_transaction` blocked past its timeout, as librdkafka 2.16 does after the coordinator went
     away and came back (confluentinc/librdkafka#5456; CI's broker-restart fault row hung on it): until released."""

@@ -318,7 +318,12 @@ class ChangelogWriter:
     async def _abort_or_restart(self, error: Any) -> None:
         assert self._producer is not None
         fatal = isinstance(error, KafkaError) and error.fatal()
-        if not fatal:
+        # The round itself met _CONFLICT: an abort that timed out here (30 s) still runs in librdkafka, its request
+        # unsent in a wedged coordinator connection; resuming it timed out again, 30 s a round, until five had
+        # (the nemesis: 2.5 minutes without a logged round, its drain bound passed). A new producer, same
+        # transactional.id, fences the old one and ends its transaction at once.
+        wedged = isinstance(error, KafkaError) and error.code() == KafkaError._CONFLICT
+        if not fatal and not wedged:
             try:
                 await self._call(30.0, self._producer.abort_transaction, 30.0)
                 self._abort_failures = 0
