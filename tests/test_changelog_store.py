@@ -396,13 +396,17 @@ async def _logged_records(store: Store, local: LocalIndex, *tasks: NewTask) -> d
 async def test_a_record_the_store_refuses_is_quarantined_and_the_rest_of_its_batch_is_restored(
         tmp_path: Path) -> None:
     """A record that decodes but breaks a rule of the store (an unknown status; a rule the codec does not know of,
-    here two attempts of one number) failed its whole restore batch, and the partition retried for ever."""
+    here two attempts of one number, or two redrives of one number, which only the redrives table's key refuses)
+    failed its whole restore batch, and the partition retried for ever. The batch's rows are copied again one task
+    at a time: only the refused task's are left out."""
     store, local = await scoped_store(tmp_path / "a")
-    good, odd, twice = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3)
-    records = await _logged_records(store, local, good, odd, twice)
+    good, odd, twice, redriven = on("src", 0, 1), on("src", 0, 2), on("src", 0, 3), on("src", 0, 4)
+    records = await _logged_records(store, local, good, odd, twice, redriven)
     await store.close()
     records[odd.id]["task"]["status"] = "HIBERNATING"  # a status of a newer release, under the old schema
     records[twice.id]["attempts"] *= 2  # the same attempt twice: the attempts table's key refuses it
+    redrive = {"redrive_no": 1, "at": T0, "by": "sre", "request_id": None, "key_id": None}
+    records[redriven.id]["redrives"] = [redrive, redrive]  # the codec reads it; the store's key refuses it
     b, b_local = await scoped_store(tmp_path / "b")
     try:
         await b_local.restore_begin(HOME)
@@ -410,11 +414,14 @@ async def test_a_record_the_store_refuses_is_quarantined_and_the_rest_of_its_bat
         batch = [(i, task_id.encode(), json.dumps(record).encode())
                  for i, (task_id, record) in enumerate(records.items())]
         result = await b_local.restore_batch(HOME, "cl", batch, T0, errors)
-        assert (result.applied, result.unreadable) == (1, 2)
+        assert (result.applied, result.unreadable) == (1, 3)
         assert await b.get(good.id) is not None and await b.get(odd.id) is None and await b.get(twice.id) is None
-        assert len(errors) == 2 and any("HIBERNATING" in e for e in errors)
-        assert await b_local.unreadable_counts() == {"cl/0": 2}
-        assert await b_local.quarantined_counts() == {"cl/0": 2}
+        assert await b.get(redriven.id) is None
+        assert len(errors) == 3 and any("HIBERNATING" in e for e in errors)
+        assert any("the store refused it" in e and "UNIQUE" in e for e in errors)
+        assert await b_local.unreadable_counts() == {"cl/0": 3}
+        assert await b_local.quarantined_counts() == {"cl/0": 3}
+        assert await b.db.read(lambda c: c.execute("SELECT COUNT(*) FROM redrives").fetchone()[0]) == 0
     finally:
         await b.close()
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -58,8 +59,21 @@ async def test_the_process_decodes_a_batch_as_the_restore_thread_does() -> None:
     here = pick_last(records)
     assert picked == here
     assert (picked.applied, picked.tombstones, len(picked.unreadable)) == (302, 1, 1)
-    assert picked.last[task_record(7, "src", 1)[0].decode()].task[8] == 5  # type: ignore[union-attr]  # its last
-    assert picked.last[task_record(400, "src", 1)[0].decode()].history is None  # type: ignore[union-attr]  # NUL
+    seven, nul = (task_record(i, "src", 1)[0].decode() for i in (7, 400))
+    assert _rows(picked, "SELECT attempt_count FROM tasks WHERE id = ?", seven) == [(5,)]  # its last record
+    assert _rows(picked, "SELECT 1 FROM history WHERE task_id = ?", nul) == []  # a NUL: its attempts as rows
+    assert len(_rows(picked, "SELECT 1 FROM attempts WHERE task_id = ?", nul)) == 2
+    assert _rows(picked, "SELECT count(*) FROM tasks", None) == [(300,)]  # 0-299 and 400, but 5 (a tombstone)
+
+
+def _rows(picked: Picked, sql: str, task_id: str | None) -> list[tuple[object, ...]]:
+    """Read the rows the batch carries (picking.pack: a database of their own)."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.deserialize(picked.rows)
+        return conn.execute(sql, () if task_id is None else (task_id,)).fetchall()
+    finally:
+        conn.close()
 
 
 async def test_a_decoding_process_killed_loses_no_batch() -> None:
