@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import percentile, record, rss_mib
-from bridge.changelog.codec import decode
-from bridge.changelog.picking import TASK_ROW, rows_of
+from bridge.changelog.picking import TASK_ROW, pick_last
 from bridge.clock import SystemClock
 from bridge.config import parse_config
 from bridge.engine.core import Engine
@@ -246,16 +245,15 @@ def _adapters(on: bool, saved: dict[Any, Any]) -> None:
             sqlite3.adapters.pop(key, None)
 
 
-def _bind_rounds(rows: list[tuple[Any, ...]], on: bool, saved: dict[Any, Any]) -> float:
-    """CPU microseconds a row, this thread's (the binding is CPU under the GIL): the restore's insert of the rows
-    into a batch's own database, where the decoding binds them (picking.pack), rolled back."""
+def _bind_rounds(path: Path, rows: list[tuple[Any, ...]], on: bool, saved: dict[Any, Any]) -> float:
+    """CPU microseconds a row, this thread's (the binding is CPU under the GIL): the restore's insert of the rows,
+    rolled back (the same file, nothing kept)."""
     _adapters(on, saved)
-    conn = sqlite3.connect(":memory:", isolation_level=None)
+    conn = with_history_functions(sqlite3.connect(path, isolation_level=None))
     try:
-        conn.executescript(q("restore_batch_schema"))
         conn.execute("BEGIN")
         began = time.thread_time()
-        insert_rows(conn, "restore_batch_tasks", len(TASK_ROW) + 1, rows)
+        insert_rows(conn, "restore_tasks", len(TASK_ROW) + 1, rows)
         spent = time.thread_time() - began
         conn.execute("ROLLBACK")
     finally:
@@ -270,16 +268,20 @@ async def bench_binding(n: int, rounds: int = 5) -> None:
     from bench.bench_changelog import task_record  # not at the top: bench_changelog imports this module
 
     saved = {key: sqlite3.adapters[key] for key in _IDENTITY}
-    rows = [rows_of(decode(*task_record(i, "orders", 5)))[0] for i in range(n)]
+    picked = pick_last([(i, *task_record(i, "orders", 5)) for i in range(n)])
+    rows = [row.task for row in picked.last.values() if row is not None]
     nulls = sum(value is None for value in rows[0])
     without: list[float] = []
     adapted: list[float] = []
-    try:
-        for _ in range(rounds):
-            without.append(_bind_rounds(rows, False, saved))
-            adapted.append(_bind_rounds(rows, True, saved))
-    finally:
-        _adapters(True, saved)
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        store = await Store.open(Path(tmp) / "bind.db")  # the store's schema, its indexes and triggers
+        await store.close()
+        try:
+            for _ in range(rounds):
+                without.append(_bind_rounds(store.path, rows, False, saved))
+                adapted.append(_bind_rounds(store.path, rows, True, saved))
+        finally:
+            _adapters(True, saved)
     ratio = statistics.median(adapted) / statistics.median(without)
     record("binding a restored task's NULLs and blobs: identity adapters vs sqlite3's adapter lookup", [
         f"rows: {n} restored tasks (the restore's insert, {len(rows[0])} values a row, {nulls} of them NULL, one "

@@ -43,7 +43,7 @@ async def test_store_is_wal_with_full_sync_by_default(store: Store) -> None:
 
 
 async def test_nulls_and_blobs_are_bound_without_the_adapter_lookup_and_read_back_as_they_were(store: Store) -> None:
-    """The store registers identity adapters for None and bytes (`bulk.bind_without_adapting`: the sqlite3 module's
+    """The store registers identity adapters for None and bytes (`bind_without_adapting`: the sqlite3 module's
     lookup for every NULL and blob was a large share of a restore's store time). What is stored does not change:
     NULL stays NULL, an empty payload stays an empty blob (not NULL), binary bytes come back byte for byte."""
     protocol = sqlite3.PrepareProtocol

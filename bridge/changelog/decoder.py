@@ -5,8 +5,7 @@ measured, decoding took 77 µs a record there against 22-45 µs alone, and the p
 `bench_changelog restore`). A small restore (a few records a partition: a rolling restart) decodes on the restore
 thread: starting a process (its interpreter imports the bridge again) would cost it more than it saves.
 
-The process decodes and packs a batch's rows as a database of their own (picking.py, side.py); the records are
-read, the store written (its rows copied from that database) and every rule applied here. Should
+The process decodes only (side.py); the records are read, the store written and every rule applied here. Should
 it die or never start, the batch is decoded on the restore thread, and so is the rest of that restore: nothing is
 lost, a restore is slower.
 """

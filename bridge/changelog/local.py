@@ -18,8 +18,9 @@ import orjson
 
 from bridge.changelog.codec import encode
 from bridge.changelog.outbox_read import OutboxReader
-from bridge.changelog.picking import Picked, Record, Row, pick_last
-from bridge.store.database import BATCH_SCHEMA, within_bytes
+from bridge.changelog.picking import ATTEMPT_ROW, REDRIVE_ROW, TASK_ROW, Picked, Record, Row, pick_last
+from bridge.store.bulk import insert_rows
+from bridge.store.database import within_bytes
 from bridge.store.queries import q
 from bridge.store.tasks import Store
 
@@ -233,7 +234,7 @@ class LocalIndex:
             result.applied, result.tombstones, result.unreadable = (picked.applied, picked.tombstones,
                                                                     len(picked.unreadable))
             with _guarded(conn):
-                refused = self._replace(conn, last, picked.rows)
+                refused = self._replace(conn, last)
                 for task_id, why in refused.items():
                     offset, key, value = picked.record_of(task_id)
                     self._unreadable(conn, changelog_topic, home[1], offset, key, value, why, now, errors)
@@ -269,62 +270,61 @@ class LocalIndex:
             conn.execute(q("quarantine_add"), {"task_id": task_id, "topic": topic, "partition": partition,
                                                "offset": offset, "error": why, "now": now})
 
-    def _replace(self, conn: sqlite3.Connection, last: dict[str, Row | None], rows: bytes) -> dict[str, str]:
-        """Replace these tasks by their changelog states (None: a tombstone; their rows in `rows`, picking.pack);
-        those this file does not hold are new here: nothing to delete first. Returns the records the store
-        refused (a rule of its schema broken: task id → why), restored as none.
+    def _replace(self, conn: sqlite3.Connection, last: dict[str, Row | None]) -> dict[str, str]:
+        """Replace these tasks by their changelog states (None: a tombstone); those this file does not hold are
+        new here: nothing to delete first. Returns the records the store refused (a rule of its schema broken:
+        task id → why), restored as none.
 
         The higher version wins, the changelog's at a tie: a transition this file made and the changelog never
         acknowledged (a claim written just before the handler killed the process) is newer than the changelog's
         state and stays, to be logged now. Letting the changelog's older PENDING win forgot the claim, so the
         lapsed lease was never counted and a poison pill retried for ever."""
         local = dict(conn.execute(q("versions_of"), {"ids": orjson.dumps(list(last)).decode()}).fetchall())
-        newer_here = [i for i, r in last.items() if r is not None and local.get(i, -1) > r.version]
-        if newer_here:  # not the caller's `last`: a task newer here is still found (restore_pending)
-            newer = set(newer_here)
-            last = {i: r for i, r in last.items() if i not in newer}
+        newer_here = {i for i, r in last.items() if r is not None and local.get(i, -1) > r.version}
+        if newer_here:
+            last = {i: r for i, r in last.items() if i not in newer_here}
         ids = [{"id": i} for i in last if i in local]
         conn.executemany(q("delete_attempts"), ids)
         conn.executemany(q("delete_redrives"), ids)
         conn.executemany(q("delete_task"), ids)
+        kept = [r for r in last.values() if r is not None]
         # A local task for the same source record under another id gives way (the changelog wins).
-        refs = [r.source_ref for r in last.values() if r is not None and r.source_ref is not None]
+        refs = [r.source_ref for r in kept if r.source_ref is not None]
         for start in range(0, len(refs), 500):
             chunk = refs[start : start + 500]
             marks = ",".join("?" * len(chunk))
             for (twin,) in conn.execute(q("source_ref_holders").replace(":refs", marks), chunk).fetchall():
                 self._delete(conn, twin)
-        conn.deserialize(rows, name=BATCH_SCHEMA)
-        dropped = orjson.dumps(newer_here).decode()
         conn.execute("SAVEPOINT restore_insert")
         try:
-            self._insert(conn, dropped)
+            self._insert(conn, kept)
         except sqlite3.IntegrityError:
             # One record breaks a rule the codec does not know of: the others are restored one by one.
             conn.execute("ROLLBACK TO restore_insert")
-            return self._insert_each(conn, dropped, [i for i, r in last.items() if r is not None])
+            return self._insert_each(conn, kept)
         finally:
             conn.execute("RELEASE restore_insert")
         return {}
 
     @staticmethod
-    def _insert(conn: sqlite3.Connection, dropped: str, only: str | None = None) -> None:
-        """Copied from the batch's own database, one statement a table (SQLite's steps give the GIL up; binding a
-        task's values and unpickling its tuples held it: picking.py). A task's history is one row
+    def _insert(conn: sqlite3.Connection, kept: list[Row]) -> None:
+        """Many rows a statement, bound by position (`bulk.insert_rows`): the restore is a partition's downtime,
+        and statement by statement with named parameters was most of its store time. A task's history is one row
         (restored_attempts, read through attempt_history): five attempt rows a task were most of what was left."""
-        params = {"dropped": dropped, "only": only}
-        for name in ("restore_tasks", "restore_history", "restore_attempts", "restore_redrives"):
-            conn.execute(q(name), params)
+        insert_rows(conn, "restore_tasks", len(TASK_ROW) + 1, [r.task for r in kept])
+        insert_rows(conn, "restore_history", 2, [(r.task[0], r.history) for r in kept if r.history is not None])
+        insert_rows(conn, "restore_attempts", len(ATTEMPT_ROW), [a for r in kept for a in r.attempts])
+        insert_rows(conn, "restore_redrives", len(REDRIVE_ROW), [x for r in kept for x in r.redrives])
 
-    def _insert_each(self, conn: sqlite3.Connection, dropped: str, kept: list[str]) -> dict[str, str]:
+    def _insert_each(self, conn: sqlite3.Connection, kept: list[Row]) -> dict[str, str]:
         refused = {}
-        for task_id in kept:
+        for restored in kept:
             conn.execute("SAVEPOINT restore_one")
             try:
-                self._insert(conn, dropped, task_id)
+                self._insert(conn, [restored])
             except sqlite3.IntegrityError as e:
                 conn.execute("ROLLBACK TO restore_one")
-                refused[task_id] = f"the store refused it: {e}"
+                refused[restored.task[0]] = f"the store refused it: {e}"
             finally:
                 conn.execute("RELEASE restore_one")
         return refused

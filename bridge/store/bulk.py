@@ -8,33 +8,12 @@ bound: the store's writer thread). A chunk of rows bound into one statement is o
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
 from bridge.model import Attempt, NewTask, Status, headers_json, home_of
 from bridge.store.queries import q
-
-
-def bind_without_adapting() -> None:
-    """Bind None and bytes without the sqlite3 module's adaptation lookup, for every connection of the process.
-
-    CPython's sqlite3 (3.11, 3.12) binds int, float, str and bytearray at once; any other value (None, bytes) is
-    first offered to the adapter registry: a key tuple built, a failed dict lookup, two attribute probes. A task
-    row is mostly NULLs and blobs, so that lookup was a large share of the store's time under the GIL (a py-spy
-    profile of the restore). An adapter registered for exactly these types is one dict hit and a C call that
-    hands the value back as it is: a restored task's row (14 NULLs, a blob) took 8.6 us of CPU instead of 11.8
-    (`python -m bench.bench_engine binding`). Here, not in database.py: the restore's decoding process binds a
-    batch's rows too (picking.pack) and imports this module, not the store's. Adapting to the same value changes
-    nothing of what is stored (a test reads NULLs and blobs back). Registering types other than the four base ones
-    leaves sqlite3's fast path for those as it is."""
-    nothing: Callable[[None], None] = cast(Callable[[None], None], {}.get)  # {}.get(None) is None, a C call
-    sqlite3.register_adapter(type(None), nothing)
-    sqlite3.register_adapter(bytes, bytes)  # bytes(b) is b itself for an exact bytes object
-
-
-bind_without_adapting()
-
 
 _CHUNKS = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)  # a batch is cut greedily: few statement texts, each cached
 

@@ -650,77 +650,38 @@ SELECT id FROM tasks WHERE source_ref IN (:refs);
 -- name: delete_task
 DELETE FROM tasks WHERE id = :id;
 
--- name: restore_batch_schema
--- A restore batch's rows as a database of their own (bridge/changelog/picking.py's `pack`), built where the batch
--- is decoded, serialized, and attached by the store as `restore_batch` (Database._prepare) to be copied from with
--- the restore_* statements below: the store's thread binds nothing a task. No constraint, no index: the store's
--- own tables check every rule as the rows are copied in. The columns in the order of picking.py's TASK_ROW,
--- ATTEMPT_ROW and REDRIVE_ROW.
-CREATE TABLE tasks (
-    id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
-    redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
-    life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
-    dlq_partition, dlq_offset, source_ref, home_topic, home_partition, order_key, order_seq, order_hold, version);
-CREATE TABLE history (task_id, attempts);
-CREATE TABLE attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome, error_type,
-                       error_message, error_stack, worker, late_result_of, note);
-CREATE TABLE redrives (task_id, redrive_no, at, by, request_id, key_id);
-
--- name: restore_batch_tasks
--- Into a batch's own database (restore_batch_schema), many rows a statement (bulk.insert_rows: :rows stands for
--- that many VALUES rows).
-INSERT INTO tasks VALUES :rows;
-
--- name: restore_batch_history
--- Each history the changelog record's attempts array as one value, packed (restored_attempts).
-INSERT INTO history VALUES :rows;
-
--- name: restore_batch_attempts
--- Attempts as rows, where a history cannot be one value (codec.Restored.history).
-INSERT INTO attempts VALUES :rows;
-
--- name: restore_batch_redrives
-INSERT INTO redrives VALUES :rows;
-
 -- name: restore_tasks
--- A restore batch's tasks copied from its attached database (restore_batch_schema), but those in :dropped (a JSON
--- array of ids: newer here) and, where :only is set, only that task. The changelog's state is logged as it stands
--- (logged_version = version).
+-- A restore batch's tasks, many in one statement (:rows: that many VALUES rows, in the column order of
+-- LocalIndex's _TASK_ROW): SQLite steps once a chunk, not once a task, and binds by position, not by name. The
+-- changelog's state is logged as it stands (logged_version = version).
 INSERT OR REPLACE INTO tasks (
     id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
     redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
     life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
     dlq_partition, dlq_offset, source_ref, home_topic, home_partition, order_key, order_seq, order_hold,
     version, logged_version, dlq_failures)
-SELECT id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status, attempt_count,
-       redrive_count, next_attempt_at, lease_expires_at, lease_token, lease_owner, lease_started_at, created_at,
-       life_started_at, finished_at, fetched_at, dead_reason_type, dead_reason_message, dlq_state, dlq_topic,
-       dlq_partition, dlq_offset, source_ref, home_topic, home_partition, order_key, order_seq,
-       COALESCE(order_hold, 0), version, version, 0
-  FROM restore_batch.tasks
- WHERE id NOT IN (SELECT value FROM json_each(:dropped)) AND (:only IS NULL OR id = :only);
+SELECT v.column1, v.column2, v.column3, v.column4, v.column5, v.column6, v.column7, v.column8, v.column9,
+       v.column10, v.column11, v.column12, v.column13, v.column14, v.column15, v.column16, v.column17, v.column18,
+       v.column19, v.column20, v.column21, v.column22, v.column23, v.column24, v.column25, v.column26, v.column27,
+       v.column28, v.column29, v.column30, COALESCE(v.column31, 0), v.column32, v.column32, 0
+  FROM (VALUES :rows) AS v;
 
 -- name: restore_history
--- A restore batch's histories, each as one value (restored_attempts): one row a task instead of one an attempt.
--- The same tasks as restore_tasks.
-INSERT OR REPLACE INTO restored_attempts (task_id, attempts)
-SELECT task_id, attempts FROM restore_batch.history
- WHERE task_id NOT IN (SELECT value FROM json_each(:dropped)) AND (:only IS NULL OR task_id = :only);
+-- A restore batch's histories, each the changelog record's attempts array as one value (restored_attempts), many
+-- in one statement (as restore_tasks): one row a task instead of one an attempt.
+INSERT OR REPLACE INTO restored_attempts (task_id, attempts) VALUES :rows;
 
 -- name: restore_attempts
--- A restore batch's attempts as rows, where a history cannot be one value. The same tasks as restore_tasks.
+-- A restore batch's attempts as rows, where a history cannot be one value (codec.Restored.history; as
+-- restore_tasks; LocalIndex's _ATTEMPT_ROW).
 INSERT INTO attempts (task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
                       error_type, error_message, error_stack, worker, late_result_of, note)
-SELECT task_id, seq, attempt_no, redrive_no, started_at, finished_at, outcome,
-       error_type, error_message, error_stack, worker, late_result_of, note
-  FROM restore_batch.attempts
- WHERE task_id NOT IN (SELECT value FROM json_each(:dropped)) AND (:only IS NULL OR task_id = :only);
+VALUES :rows;
 
 -- name: restore_redrives
--- A restore batch's redrives. The same tasks as restore_tasks.
+-- A restore batch's redrives, many in one statement (as restore_tasks; LocalIndex's _REDRIVE_ROW).
 INSERT INTO redrives (task_id, redrive_no, at, by, request_id, key_id)
-SELECT task_id, redrive_no, at, by, request_id, key_id FROM restore_batch.redrives
- WHERE task_id NOT IN (SELECT value FROM json_each(:dropped)) AND (:only IS NULL OR task_id = :only);
+VALUES :rows;
 
 -- name: unreadable_add
 INSERT INTO changelog_unreadable (topic, partition, offset, key, value, error, seen_at)
