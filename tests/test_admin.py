@@ -14,14 +14,16 @@ from typing import Any
 
 import pytest
 import yaml
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bridge.admin.client import AdminSession
+from bridge.admin.client import AdminClientError, AdminSession
 from bridge.admin.protocol import encode_command, sign
+from bridge.cli.main import main as cli_main
 from bridge.config import BridgeConfig
 from bridge.handler_api import HandlerContext
+from bridge.kafka_clients import ensure_topics
 from bridge.registry import Registry
 from tests.conftest import KafkaEnv
 from tests.kafka_helpers import aread_dlq, kafka_config, produce, running_bridge, wait_until
@@ -603,3 +605,35 @@ async def test_rdq_store_reads_a_store_file_without_kafka(tmp_path: Path) -> Non
     assert dead.id in out["list"] and "rdq.Unroutable" in out["list"]
     assert f"task {dead.id}" in out["get"] and "RETRYABLE_FAILURE" not in out["get"]
     assert "PERMANENT_FAILURE" in out["get"]
+
+
+async def test_a_reply_partition_whose_end_cannot_be_read_is_one_clear_error(kafka: KafkaEnv, tmp_path: Path,
+                                                                              unique: str) -> None:
+    """A CLI command during a broker's restart (nemesis, CI): the reply partition's end could not be read within its
+    retries and `rdq redrive` ended in a KafkaException's traceback, exit 1. Now an AdminClientError naming the topic
+    and partition (the CLI prints it as one line, exit 4)."""
+    config = admin_config(kafka, tmp_path, unique, {"q": {"handler": "ok", "sources": [f"in-{unique}"]}})
+    ensure_topics(config)
+    assert config.admin is not None
+    session = AdminSession(config, issued_by="sre@test")
+    try:
+        with pytest.raises(AdminClientError, match=rf"reply topic 'replies-{unique}' partition 99: its end could not "
+                                                   r"be read within 1 s: .*Unknown partition"):
+            await asyncio.to_thread(session._end_of, TopicPartition(config.admin.reply_topic, 99), 1.0)
+    finally:
+        session.close()
+
+
+def test_a_kafka_error_no_command_words_is_one_line_and_exit_4(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Any other KafkaException escaping a command reads as one line, as the admin client's errors do: no
+    traceback for an SRE at 3 a.m."""
+    import bridge.cli.parser as parser
+
+    def fails(args: Any) -> int:
+        raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION, "Failed to get watermark offsets"))
+
+    monkeypatch.setattr(parser, "cmd_store", fails)
+    assert cli_main(["store", "stats", "--db", "nowhere.db"]) == 4
+    err = capsys.readouterr().err
+    assert err == "rdq: kafka: Failed to get watermark offsets\n"

@@ -114,15 +114,17 @@ class AdminSession:
         self._listening = True
 
     def _end_of(self, tp: TopicPartition, within: float = 15.0) -> int:
-        """The partition's end offset; an error (a leader not elected yet, right after the topic was created) is
-        retried within `within` seconds."""
+        """The partition's end offset; an error (a leader not elected yet, right after the topic was created; a
+        leader moving) is retried within `within` seconds, then said in one line (a CLI run in a broker's restart
+        ended in a traceback)."""
         deadline = time.monotonic() + within
         while True:
             try:
                 return int(self._consumer.get_watermark_offsets(tp, timeout=within)[1])
-            except KafkaException:  # e.g. NOT_LEADER_FOR_PARTITION, which librdkafka does not flag retriable
+            except KafkaException as e:  # e.g. NOT_LEADER_FOR_PARTITION, which librdkafka does not flag retriable
                 if time.monotonic() > deadline:
-                    raise
+                    raise AdminClientError(f"reply topic {tp.topic!r} partition {tp.partition}: its end could not "
+                                           f"be read within {within:g} s: {e.args[0].str()}") from e
                 time.sleep(0.2)
 
     def request(self, command: str, args: dict[str, Any], timeout: float = 5.0, instances: int | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from bridge.cli.parser import build_parser
 from bridge.config import ConfigError
@@ -37,12 +38,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # the admin client's errors (no reply topic, broker unreachable) read as one line
+        from confluent_kafka import KafkaException
+
         from bridge.admin.client import AdminClientError
 
         if isinstance(e, AdminClientError):
             print(f"rdq: {e}", file=sys.stderr)
             return 4
+        if isinstance(e, KafkaException):  # a broker call that failed where no command says more: one line too
+            print(f"rdq: kafka: {_kafka_error(e)}", file=sys.stderr)
+            return 4
         raise
+
+
+def _kafka_error(e: Exception) -> str:
+    """A KafkaException's own message (its KafkaError's), not the error object's repr."""
+    error: Any = e.args[0] if e.args else None
+    return str(error.str()) if hasattr(error, "str") else str(e)
 
 
 if __name__ == "__main__":
