@@ -2,6 +2,7 @@
 
     python -m bench.bench_processes failure [--n 20000] [--runs 3]   # every first attempt fails: processes 2 vs 1
     python -m bench.bench_processes happy   [--n 100000] [--runs 3]  # ok handler: processes 2 vs a bare loop of 2
+    python -m bench.bench_processes restore [--n 1000000] [--runs 3] # a restart restoring 12 partitions: 2 vs 1
     python -m bench.bench_processes all
 
 Each bridge is `rdq run --processes P` as users run it (a child process; production defaults, changelog on),
@@ -13,9 +14,12 @@ RSS: each bridge process (every child, and the supervisor) at the end of its run
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime as dt
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +35,7 @@ import yaml
 from confluent_kafka import Consumer
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bench_changelog import fill_changelog, in_a_child
 from bench.bench_kafka import PARTITIONS, PAYLOAD, _spread, bench_config, broker, produce
 from bench.common import NO_BREAKER, NO_BREAKER_NOTE, SMOKE, BenchTimeout, record, rss_mib
 from bridge.config import BridgeConfig, load_config
@@ -117,16 +122,16 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload: bytes, family: str,
-               **labels: str) -> BridgeRun:
-    """`rdq run --processes P` on a fresh topic, group and store: once it is ready and its group settled, n
-    records are produced, and it runs until `family{labels}` counts n."""
+def _start(config: BridgeConfig, tmp: Path, processes: int, topic: str, fresh_group: bool = True,
+           ) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """`rdq run --processes P` on `topic` with a fresh store, and a fresh consumer group unless not `fresh_group`
+    (the group names the changelog); its port and its log (stderr)."""
     unique = uuid.uuid4().hex[:6]
     port = free_port()
     tree = config.file_tree()
-    topic = f"{config.queues['q'].sources[0]}-{unique}"
     tree["queues"]["q"]["sources"] = [topic]
-    tree["kafka"]["group_id"] = f"{config.kafka.group_id}-{unique}"
+    if fresh_group:
+        tree["kafka"]["group_id"] = f"{config.kafka.group_id}-{unique}"
     tree["store"]["path"] = str(tmp / f"{unique}.db")
     tree.setdefault("telemetry", {})["port"] = port
     path = tmp / f"{unique}.yaml"
@@ -135,6 +140,23 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
     log = tmp / f"{unique}.log"
     bridge = subprocess.Popen([sys.executable, "-m", "bridge.cli", "run", "--config", str(path), "--processes",
                                str(processes)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    return bridge, port, log
+
+
+def _stop(bridge: subprocess.Popen[bytes]) -> None:
+    bridge.send_signal(signal.SIGTERM)
+    try:
+        bridge.wait(60)
+    except subprocess.TimeoutExpired:
+        bridge.kill()
+
+
+def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload: bytes, family: str,
+               **labels: str) -> BridgeRun:
+    """`rdq run --processes P` on a fresh topic, group and store: once it is ready and its group settled, n
+    records are produced, and it runs until `family{labels}` counts n."""
+    topic = f"{config.queues['q'].sources[0]}-{uuid.uuid4().hex[:6]}"
+    bridge, port, log = _start(config, tmp, processes, topic)
     try:
         _wait_for(lambda: _ready(port), bridge, f"rdq run --processes {processes} ready (its log: {log})")
         time.sleep(SETTLE)
@@ -165,11 +187,7 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
         return BridgeRun(steady, now - began, [rss_mib(pid) for pid in pids], helpers, busy / total if total else 0.0,
                          [cores.get(pid, 0.0) for pid in pids], cores.get(os.getpid(), 0.0))
     finally:
-        bridge.send_signal(signal.SIGTERM)
-        try:
-            bridge.wait(60)
-        except subprocess.TimeoutExpired:
-            bridge.kill()
+        _stop(bridge)
 
 
 def _wait_for(predicate: Any, bridge: subprocess.Popen[bytes], what: str) -> None:
@@ -308,9 +326,107 @@ def bench_happy(bootstrap: str, n: int, runs: int) -> None:
     ])
 
 
+# ---- a restart's restore: 1M tasks over 12 partitions, processes 2 vs 1 ------------------------------------------
+
+
+_RESTORED = re.compile(r"^restored (\S+): (\d+) tasks from \d+ changelog records in ([\d.]+)s")
+
+
+class RestoreRun(NamedTuple):
+    rate: float  # tasks/s over the restore's span: the first partition's start to the last one's end
+    span: float  # s
+    ready: float  # s from `rdq run` to /readyz answering 200: every partition restored (the unavailability)
+    cpu: float  # us a task, every bridge process and its helpers (the decoding process) from its start to ready
+    peak_rss: list[float]  # MiB, each bridge process's peak (VmHWM): the supervisor, then the children
+
+
+def _restores(log: Path) -> list[tuple[float, float, int]]:
+    """Each restored partition's (start, end, tasks) by its `restored …` log line (end: the line's time)."""
+    found = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if match := _RESTORED.match(entry.get("msg", "")):
+                end = dt.datetime.strptime(entry["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
+                found.append((end - float(match[3]), end, int(match[2])))
+    return found
+
+
+def _process_cpu(pid: int) -> float:
+    """A process's CPU time so far with that of its children it waited for (a finished decoding process)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _peak_rss(pid: int) -> float:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def restore_run(config: BridgeConfig, tmp: Path, processes: int, topic: str, n: int) -> RestoreRun:
+    """`rdq run --processes P` started on a fresh store beside `topic`'s filled changelog (the group of `config`,
+    whose name the changelog's carries): it restores every task before it is ready."""
+    began = time.perf_counter()
+    bridge, port, log = _start(config, tmp, processes, topic, fresh_group=False)
+    try:
+        while not _ready(port):
+            if time.perf_counter() - began > WITHIN or bridge.poll() is not None:
+                raise BenchTimeout(f"rdq run --processes {processes} not ready within {WITHIN:.0f} s (exit "
+                                   f"{bridge.poll()}; its log: {log})")
+            time.sleep(0.05)
+        ready = time.perf_counter() - began
+        pids = _pids(port, bridge)
+        cpu = sum(_process_cpu(pid) for pid in pids)
+        peak = [_peak_rss(pid) for pid in pids]
+    finally:
+        _stop(bridge)
+    restores = _restores(log)
+    restored = sum(tasks for _, _, tasks in restores)
+    if restored != n:
+        raise BenchTimeout(f"rdq run --processes {processes} logged {restored} of {n} tasks restored (its log: {log})")
+    span = max(end for _, end, _ in restores) - min(start for start, _, _ in restores)
+    return RestoreRun(n / span, span, ready, cpu / n * 1e6, peak)
+
+
+def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> None:
+    results: dict[int, list[RestoreRun]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"},
+                              kafka={"bootstrap_servers": bootstrap, "group_id": f"bench-{uuid.uuid4().hex[:8]}",
+                                     "topic_partitions": partitions})
+        topic = config.queues["q"].sources[0]
+        ensure_topics(config)
+        size = in_a_child(fill_changelog, bootstrap, topic, config.changelog_topic(topic), n, 5, partitions)
+        for _ in range(runs):
+            for processes in (1, 2):
+                results[processes].append(restore_run(config, Path(tmp), processes, topic, n))
+    one, two = results[1], results[2]
+    record(f"a restart's restore on every core: processes 2 vs 1, {partitions} partitions", [
+        f"tasks: {n} over {partitions} partitions, 5 attempts each, ~{size / 1024:.1f} KB per changelog record; "
+        f"{runs} runs, each: `rdq run --processes 1`, then `--processes 2`, on a fresh store beside the "
+        "same changelog (production defaults, synchronous=FULL): it restores every task before it is ready",
+        f"restore, processes 1 (baseline): {_spread([r.rate for r in one])} tasks/s",
+        f"restore, processes 2: {_spread([r.rate for r in two])} tasks/s; ratio to 1 process min/median/max "
+        f"{_spread([b.rate / a.rate for a, b in zip(one, two, strict=True)], '.2f')}  (goal >= 50000 tasks/s)",
+        "  (a restore's span: its first partition's start to its last one's end, by the bridge's `restored` log lines)",
+        f"unavailable, `rdq run` to /readyz 200: processes 1 {_spread([r.ready for r in one], '.1f')} s, processes 2 "
+        f"{_spread([r.ready for r in two], '.1f')} s (start, group join and restore)",
+        f"CPU a task, every bridge process and its decoding process: processes 1 {_spread([r.cpu for r in one], '.1f')}"
+        f" us, processes 2 {_spread([r.cpu for r in two], '.1f')} us ({os.cpu_count()} cores, the broker on them too)",
+        "peak RSS MiB per bridge process (processes 2: supervisor/children): "
+        + "; ".join("/".join(f"{m:.0f}" for m in r.peak_rss) for r in one + two),
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["failure", "happy", "all"])
+    parser.add_argument("which", choices=["failure", "happy", "restore", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
@@ -320,6 +436,8 @@ def main() -> None:
             bench_failure(bootstrap, args.n or 20_000, args.runs)
         if args.which in ("happy", "all"):
             bench_happy(bootstrap, args.n or 100_000, args.runs)
+        if args.which in ("restore", "all"):
+            bench_restore(bootstrap, args.n or 1_000_000, args.runs)
 
 
 if __name__ == "__main__":
