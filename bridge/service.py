@@ -20,6 +20,7 @@ from confluent_kafka import Producer
 from bridge.admin.commands import AdminCommands
 from bridge.admin.loop import AdminLoop
 from bridge.aio import Backoff
+from bridge.changelog.decoder import PROCESS_FROM
 from bridge.changelog.local import LocalIndex
 from bridge.changelog.restore import Restorer
 from bridge.changelog.topics import ChangelogTopicError, ensure_changelogs
@@ -127,7 +128,8 @@ class Bridge:
 
     def _changelog(self, topics: dict[str, str]) -> Changelog:
         config, instance = self.config, self.engine.instance_id
-        local = LocalIndex(self.store, outbox_process=core_to_spare(os.environ))
+        spare = core_to_spare(os.environ)  # a core for a helper process (config/processes.py)
+        local = LocalIndex(self.store, outbox_process=spare)
 
         def producer() -> Producer:  # its transactions carry DLQ records too
             limits = [topic_max_message_bytes(make_admin(config), config.dlq_topic(q)) for q in config.queues]
@@ -138,8 +140,10 @@ class Bridge:
                                  config.store.changelog_commit_interval, self.telemetry,
                                  lambda: self.consumer.writable())
         self.hooks.claim_logged = lambda task, timeout: writer.logged(task.id, timeout)
+        # A large restore decodes in a process of its own only where a core is to spare (decoder.py).
         restorer = Restorer(local, topics, lambda: make_restore_consumer(config, instance), self.engine.clock,
                             lambda: make_restore_consumer(config, instance, committed_only=False),
+                            process_from=PROCESS_FROM if spare else None,
                             probe_factory=lambda: make_restore_consumer(config, instance, probe=True))
 
         async def ensure_topics() -> dict[str, str]:

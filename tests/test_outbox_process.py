@@ -161,3 +161,32 @@ async def test_a_process_that_cannot_open_the_store_leaves_the_reads_on_the_thre
     finally:
         reader.close()
         await store.close()
+
+
+@pytest.mark.parametrize("child", [None, 0, 1])
+async def test_a_bridge_gives_its_helper_processes_only_a_core_to_spare(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, child: int | None) -> None:
+    """The changelog's outbox read and a large restore's decoding run in processes of their own where a core is to
+    spare, on the bridge's threads where not: with `processes: 2` on two cores a helper would take the sibling's
+    core, and a restore's decoding process cost more CPU a task than the thread's (bench_processes restore)."""
+    from bridge.changelog.decoder import PROCESS_FROM as RESTORE_PROCESS_FROM
+    from bridge.config import processes
+    from bridge.config.processes import CHILD_ENV, ChildSpec
+    from bridge.registry import Registry
+    from bridge.service import Bridge
+    from tests.helpers import engine_config
+
+    monkeypatch.setattr(processes, "cores", lambda: 2)
+    if child is None:
+        monkeypatch.delenv(CHILD_ENV, raising=False)  # one bridge on two cores: a core to spare
+    else:
+        monkeypatch.setenv(CHILD_ENV, ChildSpec(child, 2).to_env())  # one of two on two cores: none
+    store = await Store.open(tmp_path / "rdq.db", scoped=True)
+    bridge = Bridge(engine_config(str(tmp_path / "rdq.db")), store, Registry(), changelog_topics={"src": "cl"})
+    try:
+        assert bridge.changelog is not None
+        assert bridge.changelog.local.outbox_reader.use_process is (child is None)
+        assert bridge.changelog.restorer.process_from == (RESTORE_PROCESS_FROM if child is None else None)
+    finally:
+        bridge.changelog.local.close()
+        await store.close()

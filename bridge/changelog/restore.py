@@ -118,7 +118,7 @@ class _Fetched:
 class Restorer:
     def __init__(self, local: LocalIndex, topics: dict[str, str], consumer_factory: Callable[[], Consumer],
                  clock: Clock, end_factory: Callable[[], Consumer] | None = None,
-                 process_from: int = PROCESS_FROM, probe_factory: Callable[[], Consumer] | None = None) -> None:
+                 process_from: int | None = PROCESS_FROM, probe_factory: Callable[[], Consumer] | None = None) -> None:
         self.local = local
         self.topics = topics
         self.clock = clock
@@ -129,7 +129,8 @@ class Restorer:
         self._end_factory = end_factory or consumer_factory
         self._probe_factory = probe_factory or consumer_factory  # reads past a stalled partition's markers
         self._thread = OneThread("rdq-restore")
-        self._process_from = process_from  # records to restore from which they are decoded in a process
+        # Records to restore from which they are decoded in a process; None: never (no core to spare for it).
+        self.process_from = process_from
         self.decoded_in_process = 0  # batches of the last restore decoded in the process (the bench prints it)
         # Where a restore's time goes: reading and decoding (the restore thread or the decoding process), applying
         # (the store), and the wait for a read the store did not hide (the pipeline's stall). The bench prints them.
@@ -176,7 +177,7 @@ class Restorer:
         for key, (low, high) in ends.items():
             parts[key].end, parts[key].empty = high, high <= low
         decoder = Decoder(lambda records: self._call(pick_last, records, _YIELD_EVERY))
-        if sum(high - low for low, high in ends.values()) >= self._process_from:
+        if self.process_from is not None and sum(high - low for low, high in ends.values()) >= self.process_from:
             decoder.start()
         consumer: Consumer = await self._call(self._consumer_factory)
         try:
