@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import sqlite3
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import orjson  # several times faster than json at both ends: restore speed is a partition's downtime
@@ -150,7 +150,19 @@ class Restored:
     version: int
 
 
-def decode(key: bytes | None, value: bytes) -> Restored:
+class Checked(NamedTuple):
+    """A record parsed and checked, with what the store keeps beside its fields: the headers as JSON text, the
+    content type (a default where none), the source reference, the history packed (None: see Restored.history)."""
+
+    record: _Record
+    headers: str
+    content_type: Scalar
+    source_ref: str | None
+    history: bytes | None
+
+
+def check(key: bytes | None, value: bytes) -> Checked:
+    """Parse and check a record (`Unreadable` when it cannot be read); the restore builds its rows from this."""
     try:
         record = _RECORD.decode(value)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -165,19 +177,25 @@ def decode(key: bytes | None, value: bytes) -> Restored:
     _check_state(body)
     _check_attempts(record.attempts)
     headers = body.headers or {}
-    task = msgspec.structs.asdict(body)
-    task["headers"] = orjson.dumps({k: str(v) for k, v in headers.items()}).decode()
-    task["payload_content_type"] = body.payload_content_type or "application/octet-stream"
     source = headers.get("rdq.source")
-    task["source_ref"] = None if source is None else f"{source}@{headers.get('rdq.kafka.timestamp', '')}"
+    source_ref = None if source is None else f"{source}@{headers.get('rdq.kafka.timestamp', '')}"
     for entry in record.redrives:
         if not entry.keys() >= _REDRIVE_KEYS:
             raise Unreadable(f"a redrive lacks {sorted(_REDRIVE_KEYS - entry.keys())}")
         entry["task_id"] = body.id
     history = _HISTORY.encode(record.attempts)
-    if _NUL in history:  # SQLite's JSON functions end a string at a NUL: this history is restored as rows
-        return Restored(task, record.attempts, None, record.redrives, record.version)
-    return Restored(task, record.attempts, pack(history), record.redrives, record.version)
+    # SQLite's JSON functions end a string at a NUL: such a history is restored as rows.
+    return Checked(record, orjson.dumps({k: str(v) for k, v in headers.items()}).decode(),
+                   body.payload_content_type or "application/octet-stream", source_ref,
+                   None if _NUL in history else pack(history))
+
+
+def decode(key: bytes | None, value: bytes) -> Restored:
+    checked = check(key, value)
+    record = checked.record
+    task = msgspec.structs.asdict(record.task)
+    task.update(headers=checked.headers, payload_content_type=checked.content_type, source_ref=checked.source_ref)
+    return Restored(task, record.attempts, checked.history, record.redrives, record.version)
 
 
 def _why_not(value: bytes, error: Exception) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
-from bridge.changelog.codec import Restored, Unreadable, decode
+from bridge.changelog.codec import Checked, Unreadable, check
 
 Record = tuple[int, bytes | None, bytes | None]  # offset, key, value (None: a tombstone)
 
@@ -25,7 +25,15 @@ TASK_ROW = ("id", "queue", "handler_ref", "handler_version", "payload", "payload
 ATTEMPT_ROW = ("task_id", "seq", "attempt_no", "redrive_no", "started_at", "finished_at", "outcome", "error_type",
                "error_message", "error_stack", "worker", "late_result_of", "note")
 REDRIVE_ROW = ("task_id", "redrive_no", "at", "by", "request_id", "key_id")
-_task_row, _redrive_row = (itemgetter(*names) for names in (TASK_ROW, REDRIVE_ROW))
+
+# A task's row straight from its decoded record's fields, in three runs around the values the record does not hold as
+# the store does (the content type, the headers as text, the source reference): no dict between.
+_HEADERS_AT, _SOURCE_AT = TASK_ROW.index("headers"), TASK_ROW.index("source_ref")
+assert TASK_ROW[_HEADERS_AT - 1] == "payload_content_type" and _HEADERS_AT < _SOURCE_AT
+_task_head = attrgetter(*TASK_ROW[: _HEADERS_AT - 1])
+_task_middle = attrgetter(*TASK_ROW[_HEADERS_AT + 1 : _SOURCE_AT])
+_task_tail = attrgetter(*TASK_ROW[_SOURCE_AT + 1 :])
+_redrive_row = itemgetter(*REDRIVE_ROW)
 _attempt_row = attrgetter(*ATTEMPT_ROW[1:])
 
 
@@ -41,13 +49,15 @@ class Row(NamedTuple):
     redrives: tuple[tuple[Any, ...], ...]
 
     @classmethod
-    def of(cls, restored: Restored) -> Row:
-        task_id = restored.task["id"]
-        attempts = () if restored.history is not None else tuple(
-            (task_id, *_attempt_row(a)) for a in restored.attempts)
-        return cls((*_task_row(restored.task), restored.version), restored.version, restored.task["source_ref"],
-                   restored.history if restored.attempts else None, attempts,
-                   tuple(_redrive_row(r) for r in restored.redrives))
+    def of(cls, checked: Checked) -> Row:
+        record = checked.record
+        body, version = record.task, record.version
+        attempts = () if checked.history is not None else tuple(
+            (body.id, *_attempt_row(a)) for a in record.attempts)
+        task = (*_task_head(body), checked.content_type, checked.headers, *_task_middle(body), checked.source_ref,
+                *_task_tail(body), version)
+        return cls(task, version, checked.source_ref, checked.history if record.attempts else None, attempts,
+                   tuple(_redrive_row(r) for r in record.redrives))
 
 
 @dataclass
@@ -94,7 +104,7 @@ def pick_last(records: list[Record], yield_every: int = 0, keep: bool = True) ->
             picked.tombstones += 1
             continue
         try:
-            restored = decode(key, value)
+            checked = check(key, value)
         except Unreadable as e:
             picked.unreadable.append((offset, key, value, str(e)))
             owner = _task_id_of(key)
@@ -102,9 +112,9 @@ def pick_last(records: list[Record], yield_every: int = 0, keep: bool = True) ->
                 last.pop(owner, None)
                 held[owner] = (offset, str(e))
             continue
-        task_id = restored.task["id"]
+        task_id = checked.record.task.id
         last.pop(task_id, None)
-        last[task_id] = Row.of(restored)
+        last[task_id] = Row.of(checked)
         held.pop(task_id, None)
         picked.raw[task_id] = n
         picked.applied += 1
