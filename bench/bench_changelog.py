@@ -74,12 +74,14 @@ def task_record(i: int, topic: str, attempts: int, partition: int = 0, now: int 
     return task_id.encode(), encode(row, history, [], 2 * attempts + 1)
 
 
-def fill_changelog(bootstrap: str, topic: str, changelog: str, n: int, attempts: int, partitions: int = 1) -> int:
+def fill_changelog(bootstrap: str, topic: str, changelog: str, n: int, attempts: int, partitions: int = 1,
+                   now: int | None = None) -> int:
+    """n tasks' records; `now`: their creation, their next attempt an hour after it (default: long past, due)."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "batch.size": 1_000_000,
                          "compression.type": "lz4"})
     size = 0
     for i in range(n):
-        key, value = task_record(i, topic, attempts, i % partitions)
+        key, value = task_record(i, topic, attempts, i % partitions, now)
         size += len(value)
         while True:
             try:

@@ -384,8 +384,10 @@ def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partiti
     config = BridgeConfig.model_validate(tree)
     topic = config.queues["q"].sources[0]
     ensure_topics(config)
+    # Open tasks waiting for their next attempt (an hour away), as a restart finds them: a restored task due at once
+    # would be run as soon as its partition is ready, beside the others' restores.
     size = in_a_child(fill_changelog, config.kafka.bootstrap_servers, topic, config.changelog_topic(topic), n, 5,
-                      partitions)
+                      partitions, int(time.time() * 1000))
     began = time.perf_counter()
     bridge, port, log = _start(config, tmp, processes, topic, fresh_group=False)
     try:

@@ -153,7 +153,8 @@ class Bridge:
             await local.set_changelogged(topics)
             return topics
 
-        return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry, ensure_topics)
+        return Changelog(local, writer, restorer, self.engine.scheduler.hand_over, self.telemetry, ensure_topics,
+                         self.engine.scheduler.wake)
 
     def _admin(self) -> AdminLoop:
         config = self.config

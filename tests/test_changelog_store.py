@@ -100,6 +100,28 @@ async def test_unlogged_names_the_tasks_whose_last_transition_is_not_acknowledge
         await store.close()
 
 
+async def test_the_next_due_time_is_of_the_tasks_a_claim_may_take(tmp_path: Path) -> None:
+    """A partition being restored holds tasks due long ago that no claim may take: the claim loop asked when the
+    next one was due, was told "now", claimed nothing and asked again, for ever (a restore of due tasks ran at half
+    its speed, the claims scanning them in the writer's transactions)."""
+    store, local = await scoped_store(tmp_path)
+    try:
+        restoring, later, elsewhere = on("src", 1, 1), on("src", 0, 2, 5_000), on("elsewhere", 0, 3, 2_000)
+        await store.submit(restoring)
+        assert await store.next_due_at("q") is None  # its partition is not active here: not claimable
+        assert await store.claim_due("q", 10, 30, "w", T0 + 1) == []
+        await store.submit(later)
+        await local.set_home(HOME, HomeState.ACTIVE)
+        assert await store.next_due_at("q") == T0 + 5_000  # the active partition's, not the restoring one's
+        await store.submit(elsewhere)  # its topic has no changelog: always this file's to run
+        assert await store.next_due_at("q") == T0 + 2_000
+        await local.set_home(("src", 1), HomeState.ACTIVE)  # restored: its task is the first due
+        assert await store.next_due_at("q") == T0
+        claimed = [t.id for t in await store.claim_due("q", 10, 30, "w", T0 + 5_000)]
+        assert claimed == [restoring.id, elsewhere.id, later.id]
+    finally:
+        await store.close()
+
 async def test_only_active_homes_are_claimed_logged_or_swept(tmp_path: Path) -> None:
     store, local = await scoped_store(tmp_path)
     try:

@@ -37,11 +37,12 @@ class Harness:
         self.store: Store | None = None
         self.side: asyncio.Task[None] | None = None  # e.g. the breakers' clock
 
-    async def start(self, **queues: dict[str, Any]) -> Engine:
+    async def start(self, scoped: bool = False, **queues: dict[str, Any]) -> Engine:
+        """`scoped`: a store whose changelogged topics' tasks are claimed only where their partition is active."""
         config = engine_config(str(self.tmp_path / "rdq.db"), **queues)
         path = self.tmp_path / "bridge.yaml"
         path.write_text(yaml.safe_dump(config.file_tree()))
-        self.store = await Store.open(config.store.path)
+        self.store = await Store.open(config.store.path, scoped=scoped)
         self.engine = Engine(self.store, LiveConfig(config, path), self.registry, instance_id="test-1")
         original = self.engine.scheduler.on_dead
         self.engine.scheduler.on_dead = lambda t: (self.dead.append(t), original and original(t))  # type: ignore
@@ -712,3 +713,36 @@ async def test_a_claim_behind_in_flight_leaves_the_slots_for_the_next_first_deli
         assert len(claims) == 2  # the second claim was queued too
         assert await first == [None] and await second == [None]
         assert sorted(await asyncio.gather(*claims)) == [1, 1]  # each claimed its own task, in its commit
+
+
+async def test_a_due_task_of_a_partition_being_restored_does_not_set_the_claim_loop_spinning(h: Harness) -> None:
+    """A partition's tasks restored from its changelog may be long due, but are not claimable until the partition
+    is active: the loop was told the next was due "now", claimed nothing and looked again at once, for ever —
+    each look a claim scanning those tasks in the writer's transaction (a restore of due tasks at half speed).
+    Once the partition is active (its restore's end wakes the queue) the task runs."""
+    from bridge.changelog.local import HomeState, LocalIndex
+
+    ran: list[str] = []
+    h.registry.register("ok", lambda ctx: ran.append(ctx.task_id))
+    engine = await h.start(scoped=True)
+    local = LocalIndex(engine.store)
+    await local.set_changelogged(["src"])
+    claims = 0
+    claim = engine.store.queue_claim
+
+    def counted(*args: Any) -> Any:
+        nonlocal claims
+        claims += 1
+        return claim(*args)
+
+    engine.store.queue_claim = counted  # type: ignore[method-assign]
+    task = failure(now=engine.clock.now_ms() - 60_000)
+    task = type(task)(**{**task.__dict__, "headers": {**task.headers, "rdq.source": "kafka://src/1/7"}})
+    await engine.store.submit(task)  # as a restore writes it: its partition not active here yet
+    engine.scheduler.wake("q")
+    await asyncio.sleep(1.0)
+    assert claims <= 4 and ran == [], claims  # a look when woken and one a second; spinning, hundreds
+    await local.set_home(("src", 1), HomeState.ACTIVE)
+    engine.scheduler.wake("q")  # as the restore's end does (Restores._restored_one)
+    await h.wait_status(task.id, Status.SUCCEEDED)
+    assert ran == [task.id]

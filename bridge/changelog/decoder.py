@@ -3,7 +3,9 @@
 In one process the restore thread decoding the next batch and the store's thread applying this one shared one GIL:
 measured, decoding took 77 µs a record there against 22-45 µs alone, and the partition waited on it (bench
 `bench_changelog restore`). A small restore (a few records a partition: a rolling restart) decodes on the restore
-thread: starting a process (its interpreter imports the bridge again) would cost it more than it saves.
+thread: starting a process (its interpreter imports the bridge again) would cost it more than it saves. And
+only where a core is to spare (`core_to_spare`, service.py): under `processes: 2` on two cores the process took the
+sibling's core, and a task cost more CPU there (its records pickled to it, its rows back) than on the thread.
 
 The process decodes only (side.py); the records are read, the store written and every rule applied here. Should
 it die or never start, the batch is decoded on the restore thread, and so is the rest of that restore: nothing is

@@ -35,8 +35,10 @@ class Changelog:
 
     def __init__(self, local: LocalIndex, writer: ChangelogWriter, restorer: Restorer,
                  hand_over: Callable[[set[TP], float], Any], telemetry: Telemetry,
-                 ensure_topics: Callable[[], Awaitable[dict[str, str]]] | None = None) -> None:
+                 ensure_topics: Callable[[], Awaitable[dict[str, str]]] | None = None,
+                 wake: Callable[[str], None] = lambda queue: None) -> None:
         self.ensure_topics = ensure_topics  # creates or checks the changelogs of sources that appeared since
+        self.wake = wake  # a queue's claim loop looks again now (a restored partition's due tasks are claimable)
         self.local = local
         self.writer = writer
         self.restorer = restorer
@@ -163,6 +165,8 @@ class Restores:
         if not current(tp):
             return
         state.move(Phase.ACTIVE)
+        if (queue := self.config.queue_for_topic(tp[0])) is not None:
+            self.changelog.wake(queue)  # its due tasks are in scope now: not left for the loop's next idle look
         self._report_restore(state, report)
         if report.unreadable:
             await self.changelog_status()  # the unreadable gauge, now

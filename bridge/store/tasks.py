@@ -130,7 +130,10 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
         return sorted(tasks, key=lambda t: (t.next_attempt_at or 0, t.id))
 
     async def next_due_at(self, queue: str) -> int | None:
-        return await self.db.read(lambda c: c.execute(q("next_due_at"), {"queue": queue}).fetchone()[0])
+        """When the next task `claim_due` may claim is due (None: none is pending in its scope)."""
+        params = {"queue": queue, "scoped": self.scoped}
+        row = await self.db.read(lambda c: c.execute(q("next_due_at"), params).fetchone())
+        return None if row is None else int(row[0])
 
     async def extend_lease(self, task_id: str, token: int, lease: float, now: int) -> bool:
         params = {"id": task_id, "token": token, "lease_ms": ms(lease), "now": now}
