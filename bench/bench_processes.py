@@ -339,19 +339,44 @@ class RestoreRun(NamedTuple):
     cpu: float  # us a task, every bridge process and its helpers (the decoding process) from its start to ready
     peak_rss: list[float]  # MiB, each bridge process's peak (VmHWM): the supervisor, then the children
     again: int  # partitions restored again (the group moved them while the bridge started)
+    settled: float  # s from the first log line to the last process's first partitions (the group formed)
+    own: list[float]  # tasks/s of each process over its own restores' span (its first start to its last end)
 
 
-def _restores(log: Path) -> dict[str, list[tuple[float, float, int]]]:
-    """Each restored partition's restores (start, end, tasks) by its `restored …` log lines (end: the line's time):
-    more than one where the group moved it meanwhile (a member joining late)."""
-    found: dict[str, list[tuple[float, float, int]]] = {}
+class _Log(NamedTuple):
+    restores: dict[str, list[tuple[float, float, int, str]]]  # partition: each restore's (start, end, tasks, child)
+    first_line: float
+    first_assigned: dict[str, float]  # child (or "" for one process): when it was first assigned partitions
+    assigned: dict[str, float]  # partition: when it was last assigned (to whichever process)
+
+
+def _read_log(log: Path) -> _Log:
+    """A bridge's JSON log lines: each partition's restores by its `restored …` lines (end: the line's time; more
+    than one where the group moved it meanwhile), and when each process was first assigned partitions."""
+    found = _Log({}, 0.0, {}, {})
     for line in log.read_text().splitlines():
         with contextlib.suppress(ValueError):
             entry = json.loads(line)
-            if match := _RESTORED.match(entry.get("msg", "")):
-                end = dt.datetime.strptime(entry["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
-                found.setdefault(match[1], []).append((end - float(match[3]), end, int(match[2])))
+            at = dt.datetime.strptime(entry["ts"], "%Y-%m-%dT%H:%M:%S.%fZ").timestamp()
+            found = found._replace(first_line=found.first_line or at)
+            msg, child = entry.get("msg", ""), str(entry.get("child", ""))
+            if match := _RESTORED.match(msg):
+                found.restores.setdefault(match[1], []).append((at - float(match[3]), at, int(match[2]), child))
+            elif msg.startswith("assigned ['"):
+                found.first_assigned.setdefault(child, at)
+                found.assigned.update(dict.fromkeys(re.findall(r"'([^']+)'", msg), at))
     return found
+
+
+def _restored_all(log: Path, n: int, processes: int) -> bool:
+    """Every process holds partitions (the group formed) and each partition was restored since it was last
+    assigned, n tasks in all (a partition the group moved is unavailable again until its new owner restored it)."""
+    found = _read_log(log)
+    if len(found.first_assigned) < processes:
+        return False
+    latest = {p: max(done) for p, done in found.restores.items()}
+    return (all(p in latest and latest[p][1] >= at for p, at in found.assigned.items())
+            and sum(one[2] for one in latest.values()) == n)
 
 
 def _process_cpu(pid: int) -> float:
@@ -371,10 +396,6 @@ def _peak_rss(pid: int) -> float:
     return 0.0
 
 
-def _restored_all(log: Path, n: int) -> bool:
-    return sum(max(done)[2] for done in _restores(log).values()) == n  # each partition's last restore
-
-
 def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partitions: int) -> tuple[RestoreRun, int]:
     """A fresh group's changelog filled with n tasks over `partitions`, then `rdq run --processes P` started on a
     fresh store beside it: it restores every task before its partitions are served. Returns the run and the size
@@ -392,7 +413,7 @@ def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partiti
     bridge, port, log = _start(config, tmp, processes, topic, fresh_group=False)
     try:
         # /readyz answers 200 before the group assigned anything: ready is that and every task restored.
-        while not (_ready(port) and _restored_all(log, n)):
+        while not (_ready(port) and _restored_all(log, n, processes)):
             if time.perf_counter() - began > WITHIN or bridge.poll() is not None:
                 raise BenchTimeout(f"rdq run --processes {processes} did not restore {n} tasks within {WITHIN:.0f} s "
                                    f"(exit {bridge.poll()}; its log: {log})")
@@ -403,10 +424,17 @@ def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partiti
         peak = [_peak_rss(pid) for pid in pids]
     finally:
         _stop(bridge)
-    restores = _restores(log)
-    every = [one for done in restores.values() for one in done]
-    span = max(end for _, end, _ in every) - min(start for start, _, _ in every)
-    return RestoreRun(n / span, span, ready, cpu / n * 1e6, peak, len(every) - len(restores)), size
+    found = _read_log(log)
+    every = [one for done in found.restores.values() for one in done]
+    span = max(end for _, end, _, _ in every) - min(start for start, _, _, _ in every)
+    own = []
+    for child in sorted({c for *_, c in every}):
+        mine = [one for one in every if one[3] == child]
+        tasks = sum(max(done)[2] for done in found.restores.values() if max(done)[3] == child)
+        own.append(tasks / (max(e for _, e, _, _ in mine) - min(b for b, _, _, _ in mine)))
+    settled = max(found.first_assigned.values()) - found.first_line
+    return RestoreRun(n / span, span, ready, cpu / n * 1e6, peak, len(every) - len(found.restores), settled,
+                      own), size
 
 
 def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> None:
@@ -431,6 +459,12 @@ def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> No
         "  (a restore's span: its first partition's start to its last one's end, by the bridge's `restored` log lines; "
         f"partitions restored again as the group formed: processes 1 {[r.again for r in one]}, processes 2 "
         f"{[r.again for r in two]})",
+        "each child's own rate, processes 2 (its tasks over its own restores' span): "
+        + "; ".join("/".join(f"{x:.0f}" for x in r.own) for r in two) + " tasks/s",
+        "the group formed (the last process's first partitions), s after the bridge's first log line: processes 1 "
+        f"{_spread([r.settled for r in one], '.1f')}, processes 2 {_spread([r.settled for r in two], '.1f')} (this "
+        "broker's group.initial.rebalance.delay.ms is 0: the first child to join gets every partition, and the "
+        "second its share only a cooperative rebalance later, ~3 s a round of heartbeats)",
         f"unavailable, `rdq run` to /readyz 200 and every task restored: processes 1 "
         f"{_spread([r.ready for r in one], '.1f')} s, processes 2 {_spread([r.ready for r in two], '.1f')} s (start, "
         "group join and restore)",

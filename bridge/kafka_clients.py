@@ -43,6 +43,10 @@ def consumer_config(config: BridgeConfig, **overrides: Any) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "partition.assignment.strategy": "cooperative-sticky",
         "auto.commit.interval.ms": 1000,
+        # A rebalance is noticed at a member's next heartbeat, and a cooperative one takes two rounds: at Kafka's
+        # 3 s a `processes: 2` restart formed its group 6.7 s after it started (the first child holding, and
+        # restoring, every partition meanwhile), at 500 ms 1.7 s (bench_processes restore, a 3,000-task changelog).
+        "heartbeat.interval.ms": 500,
         # Half of the fetched-records budget (the bridge's backlog has the other half, SPEC §5.2).
         "queued.max.messages.kbytes": max(1024, int(config.kafka.max_buffered_mb * 1024 / 2)),
         # When that queue is full librdkafka waits fetch.queue.backoff.ms (default 1 s) before fetching again: on a

@@ -172,6 +172,20 @@ def test_the_consumer_refetches_soon_after_its_prefetch_queue_was_full(tmp_path:
     assert consumer_config(tuned)["fetch.queue.backoff.ms"] == 250
 
 
+
+def test_a_member_hears_of_a_rebalance_within_half_a_second(tmp_path: Path) -> None:
+    """A cooperative rebalance takes two rounds, each noticed at a member's next heartbeat: at Kafka's 3 s a
+    `processes: 2` restart formed its group 6.7 s after it started, its first child restoring every partition
+    meanwhile (bench_processes restore); the bridge's consumer heartbeats every 500 ms; a `kafka.consumer` setting
+    still wins."""
+    from bridge.kafka_clients import consumer_config
+
+    assert consumer_config(load_config(write(tmp_path, SPEC_MINIMAL), environ={}))["heartbeat.interval.ms"] == 500
+    tuned = load_config(write(tmp_path, SPEC_MINIMAL.replace(
+        "  group_id: orders-bridge\n",
+        "  group_id: orders-bridge\n  consumer: {heartbeat.interval.ms: 3000}\n")), environ={})
+    assert consumer_config(tuned)["heartbeat.interval.ms"] == 3000
+
 TOKEN = "tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0"
 
 
