@@ -114,7 +114,8 @@ class Backpressure:
                 if queue is None:
                     continue
                 try:
-                    open_tasks = self._open_tasks[name] = await self.store.count_open(name)
+                    # Up to the limit: past it the count says no more (and read a million tasks 4 times a second).
+                    open_tasks = self._open_tasks[name] = await self.store.count_open(name, queue.max_open_tasks)
                 except StoreError:
                     continue
                 self._check(name, queue.max_open_tasks)

@@ -143,5 +143,7 @@ class TaskReads:
             out.setdefault(queue, {"PENDING": 0, "IN_FLIGHT": 0, "PARKED": 0})[status] = n
         return out
 
-    async def count_open(self, queue: str) -> int:
-        return int(await self.db.scan(lambda c: c.execute(q("count_open"), {"queue": queue}).fetchone()[0]))
+    async def count_open(self, queue: str, most: int = -1) -> int:
+        """A queue's open tasks (PENDING, IN_FLIGHT, PARKED), counted up to `most` (-1: all of them)."""
+        params = {"queue": queue, "most": most}
+        return int(await self.db.scan(lambda c: c.execute(q("count_open"), params).fetchone()[0]))
