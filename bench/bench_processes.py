@@ -113,13 +113,14 @@ class BridgeRun(NamedTuple):
     bench_cores: float  # this process's (the producer's) meanwhile
 
 
-def _cpu_seconds(pid: int) -> float:
-    """A process's CPU time so far (user + system, every thread), from /proc; 0 when it is gone."""
+def _cpu_seconds(pid: int, waited: bool = False) -> float:
+    """A process's CPU time so far (user + system, every thread), from /proc; `waited`: with that of its children
+    it waited for (a finished decoding process). 0 when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(int(f) for f in fields[11 : 15 if waited else 13]) / os.sysconf("SC_CLK_TCK")
 
 
 def _start(config: BridgeConfig, tmp: Path, processes: int, topic: str, fresh_group: bool = True,
@@ -379,23 +380,6 @@ def _restored_all(log: Path, n: int, processes: int) -> bool:
             and sum(one[2] for one in latest.values()) == n)
 
 
-def _process_cpu(pid: int) -> float:
-    """A process's CPU time so far with that of its children it waited for (a finished decoding process)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss(pid: int) -> float:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partitions: int) -> tuple[RestoreRun, int]:
     """A fresh group's changelog filled with n tasks over `partitions`, then `rdq run --processes P` started on a
     fresh store beside it: it restores every task before its partitions are served. Returns the run and the size
@@ -420,8 +404,8 @@ def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partiti
             time.sleep(0.1)
         ready = time.perf_counter() - began
         pids = _pids(port, bridge)
-        cpu = sum(_process_cpu(pid) for pid in pids)
-        peak = [_peak_rss(pid) for pid in pids]
+        cpu = sum(_cpu_seconds(pid, waited=True) for pid in pids)
+        peak = [rss_mib(pid, peak=True) for pid in pids]
     finally:
         _stop(bridge)
     found = _read_log(log)
@@ -464,7 +448,7 @@ def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> No
         "the group formed (the last process's first partitions), s after the bridge's first log line: processes 1 "
         f"{_spread([r.settled for r in one], '.1f')}, processes 2 {_spread([r.settled for r in two], '.1f')} (this "
         "broker's group.initial.rebalance.delay.ms is 0: the first child to join gets every partition, and the "
-        "second its share only a cooperative rebalance later, ~3 s a round of heartbeats)",
+        "second its share only after a cooperative rebalance, two rounds each noticed at a heartbeat)",
         f"unavailable, `rdq run` to /readyz 200 and every task restored: processes 1 "
         f"{_spread([r.ready for r in one], '.1f')} s, processes 2 {_spread([r.ready for r in two], '.1f')} s (start, "
         "group join and restore)",

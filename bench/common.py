@@ -21,11 +21,12 @@ class BenchTimeout(RuntimeError):
     """A bench that does not finish is a failed bench: it ends with this, saying what it waited for."""
 
 
-def rss_mib(pid: int | str = "self") -> float:
-    """The resident memory of this process, or of `pid` (0 when it is gone)."""
+def rss_mib(pid: int | str = "self", peak: bool = False) -> float:
+    """The resident memory of this process, or of `pid` (0 when it is gone); `peak`: its highest so far (VmHWM)."""
+    field = "VmHWM:" if peak else "VmRSS:"
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
