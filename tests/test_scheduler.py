@@ -746,3 +746,21 @@ async def test_a_due_task_of_a_partition_being_restored_does_not_set_the_claim_l
     engine.scheduler.wake("q")  # as the restore's end does (Restores._restored_one)
     await h.wait_status(task.id, Status.SUCCEEDED)
     assert ran == [task.id]
+
+
+async def test_the_idle_claim_loop_asks_for_the_next_due_task_only_within_its_sleep(h: Harness) -> None:
+    """Idle, the loop sleeps until the next task is due or a second, whichever is first: it asks the store for a
+    due time no further than that second (asked unbounded, with every partition restoring, the question walked every
+    pending task out of scope: 209 ms at 500,000 tasks, every second)."""
+    engine = await h.start()
+    asked: list[tuple[int, int]] = []
+    next_due_at = engine.store.next_due_at
+
+    async def recorded(queue: str, until: int = 2**63 - 1) -> int | None:
+        asked.append((engine.clock.now_ms(), until))
+        return await next_due_at(queue, until)
+
+    engine.store.next_due_at = recorded  # type: ignore[method-assign]
+    engine.scheduler.wake("q")
+    await asyncio.sleep(0.5)
+    assert asked and all(until <= now + 1000 for now, until in asked), asked

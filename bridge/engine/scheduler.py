@@ -155,9 +155,11 @@ class Scheduler:
         elif self._holding(name, queue):
             pass  # due tasks wait: looking at their due time again would only spin
         else:
-            next_due = await self.store.next_due_at(name)
+            # Only the next idle second's tasks matter: the loop looks again by then whatever is due after it.
+            now = self.clock.now_ms()
+            next_due = await self.store.next_due_at(name, until=now + int(_MAX_IDLE * 1000))
             if next_due is not None:
-                timeout = min(_MAX_IDLE, max(0.0, (next_due - self.clock.now_ms()) / 1000))
+                timeout = min(_MAX_IDLE, max(0.0, (next_due - now) / 1000))
         if timeout <= 0:
             return
         await first_of(*events, timeout=timeout)

@@ -26,6 +26,7 @@ from bridge.store.reads import TaskReads
 from bridge.store.results import Result, RunReport, attempt_params
 from bridge.store.upkeep import Upkeep
 
+_NEVER = 2**63 - 1  # next_due_at's bound when the caller wants to know of any pending task, however far
 
 def _insert_task(task: NewTask, conn: sqlite3.Connection) -> str:
     """One first-delivery failure (the path a batch falls back to when its bulk insert failed)."""
@@ -129,9 +130,9 @@ class Store(Upkeep, OperatorActions, KeyOrder, DlqOutbox, Journal, TaskReads):
         # RETURNING order is unspecified: start the longest overdue first.
         return sorted(tasks, key=lambda t: (t.next_attempt_at or 0, t.id))
 
-    async def next_due_at(self, queue: str) -> int | None:
-        """When the next task `claim_due` may claim is due (None: none is pending in its scope)."""
-        params = {"queue": queue, "scoped": self.scoped}
+    async def next_due_at(self, queue: str, until: int = _NEVER) -> int | None:
+        """When the next task `claim_due` may claim is due (None: none is pending in its scope, due by `until`)."""
+        params = {"queue": queue, "scoped": self.scoped, "until": until}
         row = await self.db.read(lambda c: c.execute(q("next_due_at"), params).fetchone())
         return None if row is None else int(row[0])
 
