@@ -28,6 +28,7 @@ from bridge.store.upkeep import Upkeep
 
 _NEVER = 2**63 - 1  # next_due_at's bound when the caller wants to know of any pending task, however far
 
+
 def _insert_task(task: NewTask, conn: sqlite3.Connection) -> str:
     """One first-delivery failure (the path a batch falls back to when its bulk insert failed)."""
     conn.execute(q("insert_task"), task.params())
