@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import sqlite3
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.config import BridgeConfig, parse_config
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status
+from bridge.store.queries import q
 from bridge.store.results import RunReport
+
+if TYPE_CHECKING:
+    from bridge.store.tasks import Store
 
 T0 = 1_800_000_000_000  # a fixed "now" in ms
 _OFFSETS = itertools.count()
@@ -55,3 +61,19 @@ async def eventually(predicate: Callable[[], bool], within: float = 10.0, interv
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(interval)
+
+
+def query_plan(conn: sqlite3.Connection, sql: str, params: dict[str, Any] | None = None) -> list[str]:
+    """SQLite's plan of `sql`, a line a step: its parameters NULL unless given, a `:rows` as one VALUES row as wide
+    as the query reads."""
+    if ":rows" in sql:
+        width = max(int(n) for n in re.findall(r"v\.column(\d+)", sql))
+        sql = sql.replace(":rows", "(" + ",".join(["NULL"] * width) + ")")
+    bound = {name: None for name in re.findall(r":(\w+)", sql)} | (params or {})
+    return [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, bound)]
+
+
+async def plan_of(store: Store, name: str, **params: Any) -> list[str]:
+    """The plan of the named query (queries.sql) on this store."""
+    sql = q(name)
+    return await store.db.read(lambda c: query_plan(c, sql, params))

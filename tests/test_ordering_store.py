@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from bridge.model import ErrorInfo, NewTask, Outcome, Status, key_of_order_key, order_key_of
 from bridge.store.tasks import Store
-from tests.helpers import T0, failure, report
+from tests.helpers import T0, failure, plan_of, report
 
 LEASE = 30.0
 KEY = order_key_of("t", 0, b"k")
@@ -223,8 +223,6 @@ async def test_a_failed_records_task_stored_after_an_earlier_one_was_redriven_pa
 async def test_the_open_tasks_gauge_counts_each_status_through_its_index(store: Store) -> None:
     """The open-tasks gauge (read every 2 s) counts PENDING, IN_FLIGHT and PARKED by queue, each through an index of
     its own: counted from every open task's row, it read 500,000 restored tasks' rows every 2 s (235 ms a time)."""
-    from bridge.store.queries import q
-
     first = await store.submit(head(10))
     for offset in (11, 12):
         await store.submit(parked(offset))
@@ -234,7 +232,6 @@ async def test_the_open_tasks_gauge_counts_each_status_through_its_index(store: 
     assert str((await store.get(first)).status) == "IN_FLIGHT"  # type: ignore[union-attr]
     assert await store.open_counts() == {"q": {"PENDING": 0, "IN_FLIGHT": 1, "PARKED": 2},
                                          "other": {"PENDING": 3, "IN_FLIGHT": 0, "PARKED": 0}}
-    plan = [row[3] for row in await store.db.read(
-        lambda c: c.execute("EXPLAIN QUERY PLAN " + q("count_open_by_queue_status")).fetchall())]
+    plan = await plan_of(store, "count_open_by_queue_status")
     assert {"tasks_due", "tasks_lease", "tasks_order"} <= {w for step in plan for w in step.split()}, plan
     assert not any(step.startswith("SCAN tasks") and "INDEX tasks_open" in step for step in plan), plan

@@ -20,7 +20,7 @@ from bridge.store.history import with_history_functions
 from bridge.store.queries import migrations, queries
 from bridge.store.reader import StoreReader
 from bridge.store.tasks import Store
-from tests.helpers import T0, report
+from tests.helpers import T0, query_plan, report
 from tests.test_changelog_store import HOME, on, scoped_store
 
 
@@ -126,14 +126,6 @@ async def test_a_restored_history_goes_with_its_task(tmp_path: Path) -> None:
         await store.close()
 
 
-def _plan(conn: sqlite3.Connection, sql: str) -> list[str]:
-    if ":rows" in sql:  # one VALUES row as wide as the query reads it
-        width = max(int(n) for n in re.findall(r"v\.column(\d+)", sql))
-        sql = sql.replace(":rows", "(" + ",".join(["NULL"] * width) + ")")
-    params = {p: None for p in re.findall(r":(\w+)", sql)}
-    return [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, params)]
-
-
 async def test_no_query_reads_every_attempt_to_find_a_tasks(tmp_path: Path) -> None:
     """Every named query that reads attempts finds them by their task (SQLite 3.40 folds a filter into a UNION
     ALL view only where it compares with a parameter: a correlated or IN filter scanned both tables whole, which
@@ -145,7 +137,7 @@ async def test_no_query_reads_every_attempt_to_find_a_tasks(tmp_path: Path) -> N
     assert {"get_attempts", "attempts_of_many", "attempts_json_of_many", "changelog_outbox_records",
             "lost_a_lease", "insert_attempt", "insert_first_attempts"} <= readers.keys()
     for name, sql in readers.items():
-        whole = [step for step in _plan(conn, sql)  # a table read whole, or an index built for one query
+        whole = [step for step in query_plan(conn, sql)  # a table read whole, or an index built for one query
                  if re.match(r"SCAN (attempts|restored_attempts|restored)\b", step) or "AUTOMATIC" in step]
         assert not whole, (name, whole)
     conn.close()

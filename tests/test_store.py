@@ -18,7 +18,7 @@ from bridge.store.bulk import ATTEMPT_COLUMNS, NEW_TASK_COLUMNS, attempt_row, ta
 from bridge.store.database import StoreError
 from bridge.store.queries import migrations
 from bridge.store.tasks import Store
-from tests.helpers import T0, failure, report
+from tests.helpers import T0, failure, plan_of, report
 
 LEASE = 30.0
 
@@ -369,13 +369,12 @@ async def test_the_periodic_counts_read_no_more_than_they_need(store: Store) -> 
     whole, a million restored tasks were read four times a second and the table scanned every two (a restore of
     1M tasks under processes: 2 at 33-40k tasks/s with them, 44k without, bench_processes restore). The open
     count stops at the limit it is asked about; the parked stats read the index of ordered tasks only."""
-    from bridge.store.queries import q
-
     for _ in range(5):
         await store.submit(failure())
     assert await store.count_open("q", 3) == 3 and await store.count_open("q") == 5
-    plan = await store.db.read(lambda c: c.execute("EXPLAIN QUERY PLAN " + q("parked_oldest")).fetchall())
-    assert any("tasks_order" in row[3] for row in plan) and not any(row[3] == "SCAN tasks" for row in plan), plan
+    plan = await plan_of(store, "parked_oldest")
+    assert any("tasks_order" in step for step in plan) and "SCAN tasks" not in plan, plan
+
 
 async def test_counts_and_lists(store: Store) -> None:
     await store.submit(failure())
@@ -648,13 +647,10 @@ async def test_the_next_due_time_is_looked_for_no_further_than_asked(store: Stor
     """The claim loop asks when the next task is due only as far as it sleeps anyway (a second): looked for
     unbounded, with no task in its scope (every partition restoring), the question walked every pending task (209 ms
     at 500,000, every second of a restore)."""
-    from bridge.store.queries import q
-
     later = await store.submit(failure(now=T0))  # due at its next attempt, after T0
     due = (await store.get(later)).next_attempt_at  # type: ignore[union-attr]
     assert due is not None
     assert await store.next_due_at("q", until=due - 1) is None
     assert await store.next_due_at("q", until=due) == due and await store.next_due_at("q") == due
-    plan = await store.db.read(lambda c: c.execute("EXPLAIN QUERY PLAN " + q("next_due_at"),
-                                                   {"queue": "q", "scoped": 1, "until": due}).fetchall())
-    assert any("next_attempt_at<?" in row[3] for row in plan), plan  # a range of the index, not all of it
+    plan = await plan_of(store, "next_due_at", queue="q", scoped=1, until=due)
+    assert any("next_attempt_at<?" in step for step in plan), plan  # a range of the index, not all of it
