@@ -39,11 +39,13 @@ def kafka_config(bootstrap: str, tmp_path: Path, unique: str, queues: dict[str, 
     return parse_config(tree, "<test>")
 
 
-def produce(config: BridgeConfig, topic: str, records: Iterable[tuple[bytes | None, bytes, Headers]]) -> int:
+def produce(config: BridgeConfig, topic: str, records: Iterable[tuple[bytes | None, bytes, Headers]],
+            timestamp: int = 0) -> int:
+    """`timestamp`: every record's, in ms (0: the producer's clock)."""
     producer = Producer({"bootstrap.servers": config.kafka.bootstrap_servers, "linger.ms": 5})
     n = 0
     for key, value, headers in records:
-        producer.produce(topic, value=value, key=key, headers=headers)
+        producer.produce(topic, value=value, key=key, headers=headers, timestamp=timestamp)
         n += 1
         if n % 1000 == 0:
             producer.poll(0)

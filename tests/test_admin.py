@@ -274,6 +274,7 @@ async def test_redrive_from_a_dlq_record_is_carried_out_by_exactly_one_instance(
                                for r in records)
         replies = {r["instance"]: r for r in await ask(config_a, "redrive", first, instances=2)}
         assert replies["bridge-a"]["ok"] and replies["bridge-a"]["result"]["recreated"]
+        assert replies["bridge-a"]["result"]["count"] == 1, replies["bridge-a"]  # redriven too: not purged between
         refusal = "rdq.admin.NotOwner" if changelog else "rdq.admin.NotHeld"
         assert not replies["bridge-b"]["ok"] and replies["bridge-b"]["error"]["type"] == refusal
         task_id = records[0].value["task"]["id"]

@@ -51,8 +51,10 @@ async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dl
                                                                                    unique: str) -> None:
     registry, switch = switch_registry()
     legacy = f"legacy-dlq-{unique}"
+    # The foreign records died two hours ago, longer than the queue keeps a finished task: kept from their death,
+    # the sweep purged each imported task again at once (a second import found none of them).
     config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
-                                                          "dlq_topic": f"dlq-{unique}"}})
+                                                          "dlq_topic": f"dlq-{unique}", "task_ttl": "1h"}})
     async with running_bridge(config, registry) as bridge:
         # One of this project's own envelopes too: a task of this bridge, dead-lettered, then purged.
         [own_id] = await dead_task(bridge, config, f"in-{unique}")
@@ -60,7 +62,8 @@ async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dl
         await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
         await bridge.store.purge_task(own_id)
         _create(config, legacy)
-        produce(config, legacy, [*legacy_records(unique), (None, json.dumps(own.value).encode(), [])])
+        produce(config, legacy, [*legacy_records(unique), (None, json.dumps(own.value).encode(), [])],
+                timestamp=int(time.time() * 1000) - 2 * 3600_000)
 
         code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--dry-run",
                                    "--json")
@@ -89,6 +92,7 @@ async def test_import_every_format_once_redrive_an_imported_task_and_tail_the_dl
         assert spring.attempts[0].error is not None and "Billing.java" in (spring.attempts[0].error.stack or "")
         assert tasks["rdq"].id == own_id  # our envelope keeps its id
 
+        await asyncio.sleep(0.5)  # five sweeps
         code, out, err = await cli(config, tmp_path, "import", "--topic", legacy, "--queue", "q", "--json")
         again = json.loads(out)
         assert code == 0 and again["imported"] == 0 and again["exists"] == 4, (out, err)

@@ -271,7 +271,7 @@ class Ordering(RuleBasedStateMachine):
         """`rdq redrive --from-dlq`: a purged task re-created from its envelope, then redriven."""
         if self.purged:
             envelope = self.purged.pop(0)
-            self.run(self.store.recreate_dead(envelope, "dlq", 0, 0))
+            self.run(self.store.recreate_dead(envelope, "dlq", 0, 0, self.now))
             self.gone.discard(envelope.id)
             self.redriving([envelope.id])
             self.run(self.store.redrive(envelope.id, self.tick()))

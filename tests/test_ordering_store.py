@@ -177,7 +177,7 @@ async def test_a_task_recreated_from_its_dlq_record_keeps_its_place_in_its_key(s
     assert envelope is not None
     await store.mark_dlq_published(envelope, "dlq", 0, 7, T0 + 11)
     assert await store.purge_task(first)
-    assert await store.recreate_dead(envelope, "dlq", 0, 7)
+    assert await store.recreate_dead(envelope, "dlq", 0, 7, T0 + 11)
     recreated = await store.get(first)
     assert recreated is not None and (recreated.order_key, recreated.order_seq) == (KEY, 1)
     assert not recreated.order_hold  # its hold (if any) ended when its DLQ record was acknowledged and it purged

@@ -353,6 +353,24 @@ async def test_dead_tasks_are_purged_only_after_the_dlq_ack(store: Store) -> Non
     assert await store.purge("q", "finished", T0 + 1) == 1
 
 
+async def test_a_task_put_back_from_its_dlq_record_is_kept_for_its_retention_from_then(store: Store) -> None:
+    """A DEAD task re-created from a DLQ record (a redrive after the purge, `rdq import` of an old DLQ) died long
+    ago. Its retention counted from its death, the next sweep purged it again: between a redrive's re-creation and
+    its redrive (test_admin's redrive from a DLQ record, in one CI run: re-created, never run), and for good after
+    an import of records older than task_ttl. Its death time stays what it was (the --since/--until filters)."""
+    task_id = await store.submit(failure(dead=ErrorInfo("x", "y")))
+    [task] = await store.dlq_outbox()
+    assert await store.mark_dlq_published(task, "q.dlq", 0, 42, T0 + 5)
+    assert await store.purge("q", "finished", T0 + 1) == 1
+    back = T0 + 10**9  # long past its death and any retention
+    assert await store.recreate_dead(task, "q.dlq", 0, 42, back)
+    again = await store.get(task_id)
+    assert again is not None and again.status == Status.DEAD and again.finished_at == task.finished_at
+    assert await store.purge("q", "finished", back) == 0
+    assert await store.dead_ids("q", until=T0 + 1) == [task_id]
+    assert await store.purge("q", "finished", back + 1) == 1
+
+
 async def test_retain_from_fetched_counts_from_the_first_read(store: Store) -> None:
     task_id = await store.submit(failure())
     _, token = await claim_one(store)

@@ -75,7 +75,7 @@ class ImportCommands:
             out["exists"] += 1
             return
         if not args.dry_run and not await self.store.recreate_dead(task, record.topic, record.partition,
-                                                                   record.offset, home):
+                                                                   record.offset, self.engine.clock.now_ms(), home):
             out["exists"] += 1
             return
         out["imported"] += 1

@@ -244,7 +244,7 @@ class RedriveCommands:
             return {"task_id": task.id, "held": False, "dry_run": True, "matched": [task.id], "count": 1,
                     "would_recreate": True}
         ref = args.dlq
-        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset, home)
+        await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset, self.engine.clock.now_ms(), home)
         ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id, guard)
         return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
                 "count": int(ok)}

@@ -109,10 +109,11 @@ class OperatorActions:
                   "scoped": self.scoped}
         return await self.db.write(lambda c: purged(c, c.execute(q("purge_terminal"), params).fetchall(), self.scoped))
 
-    async def recreate_dead(self, task: Task, topic: str, partition: int, offset: int,
+    async def recreate_dead(self, task: Task, topic: str, partition: int, offset: int, now: int,
                             home: tuple[str, int] | None = None) -> bool:
-        """Put back a DEAD task from its DLQ envelope, same id and history. False if the store has it.
-        `home`: the partition it goes home to (default: its `rdq.source` partition)."""
+        """Put back a DEAD task from its DLQ envelope, same id and history, at `now` (its retention counts from
+        then, not from its death). False if the store has it. `home`: the partition it goes home to (default: its
+        `rdq.source` partition)."""
 
         def apply(conn: sqlite3.Connection) -> bool:
             if conn.execute(q("get_task"), {"id": task.id}).fetchone() is not None:
@@ -124,7 +125,7 @@ class OperatorActions:
                 "payload_content_type": task.payload_content_type,
                 "headers": headers_json(task.headers), "attempt_count": task.attempt_count,
                 "redrive_count": task.redrive_count, "created_at": task.created_at,
-                "finished_at": task.finished_at or task.created_at,
+                "finished_at": task.finished_at or task.created_at, "now": now,
                 "dead_reason_type": reason.type if reason else "rdq.Unknown",
                 "dead_reason_message": reason.message if reason else "", "dlq_topic": topic,
                 "dlq_partition": partition, "dlq_offset": offset, **home_params(home or task.home),

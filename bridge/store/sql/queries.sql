@@ -200,10 +200,14 @@ UPDATE tasks
  WHERE id = :id AND status = :status AND lease_token = :token AND life_started_at < :cutoff;
 
 -- name: purge_finished
--- A DEAD task is never purged before its DLQ record is acknowledged: that would lose it.
+-- A DEAD task is never purged before its DLQ record is acknowledged: that would lose it. Retained from its finish,
+-- or from its life here when that began later: a task put back from its DLQ record (insert_task_copy) died long ago,
+-- and counted from its death it was purged again at once (an import of an old DLQ, a redrive re-creating it). A
+-- task's life otherwise starts before it finishes: for the rest, this is finished_at < :cutoff alone.
 DELETE FROM tasks
  WHERE id IN (SELECT id FROM tasks
                WHERE queue = :queue AND status IN ('SUCCEEDED', 'DEAD') AND finished_at < :cutoff
+                 AND life_started_at < :cutoff
                  AND (:scoped = 0 OR NOT EXISTS (SELECT 1 FROM changelogged c WHERE c.topic = home_topic)
       OR EXISTS (SELECT 1 FROM homes h WHERE h.topic = home_topic AND h.partition = home_partition
                   AND h.state = 'active'))
@@ -479,13 +483,14 @@ RETURNING id, home_topic, home_partition;
 
 -- name: insert_task_copy
 -- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept, its place in
--- its key kept (ordering: key); it holds the key no more (its hold ended when it was acknowledged and purged).
+-- its key kept (ordering: key); it holds the key no more (its hold ended when it was acknowledged and purged). Its
+-- finish stays its death; its life here starts :now (purge_finished retains it from then).
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
                    attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
                    dead_reason_type, dead_reason_message, dlq_state, dlq_topic, dlq_partition, dlq_offset,
                    source_ref, home_topic, home_partition, order_key, order_seq, order_hold)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, 'DEAD',
-        :attempt_count, :redrive_count, NULL, :created_at, :created_at, :finished_at,
+        :attempt_count, :redrive_count, NULL, :created_at, :now, :finished_at,
         :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL,
         :home_topic, :home_partition, :order_key, :order_seq, 0);
 
