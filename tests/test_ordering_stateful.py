@@ -39,6 +39,7 @@ KEYS = [b"ab?", b"?\xff"]
 HOLD = {b"ab?": False, b"?\xff": True}  # on_dead per key (two queues' worth)
 LEASE = 1.0
 HOME = ("t", 0)
+RETAIN_MS = 10  # the sweep's retention (task_ttl) here: one tick
 
 
 class Ordering(RuleBasedStateMachine):
@@ -58,6 +59,7 @@ class Ordering(RuleBasedStateMachine):
         self.ahead: dict[str, set[str]] = {}  # a redriven task → the tasks of its key running or due at its redrive
         self.gone: set[str] = set()  # purged (their DLQ record acknowledged): the only tasks allowed to leave
         self.unstored: dict[bytes, list[NewTask]] = {}  # a key's tasks whose store write failed, to be retried
+        self.back: dict[str, int] = {}  # a task put back from its DLQ record → when
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -266,15 +268,35 @@ class Ordering(RuleBasedStateMachine):
                 return
 
     @precondition(lambda self: bool(self.purged))
-    @rule()
-    def redrive_from_dlq(self) -> None:
-        """`rdq redrive --from-dlq`: a purged task re-created from its envelope, then redriven."""
+    @rule(redrive=st.booleans())
+    def redrive_from_dlq(self, redrive: bool) -> None:
+        """`rdq redrive --from-dlq`: a purged task re-created from its envelope, then redriven; or `rdq import` of
+        its DLQ record: re-created and left DEAD for an operator (a sweep may come first)."""
         if self.purged:
             envelope = self.purged.pop(0)
             self.run(self.store.recreate_dead(envelope, "dlq", 0, 0, self.now))
+            self.back[envelope.id] = self.now
             self.gone.discard(envelope.id)
-            self.redriving([envelope.id])
-            self.run(self.store.redrive(envelope.id, self.tick()))
+            if redrive:
+                self.redriving([envelope.id])
+                self.run(self.store.redrive(envelope.id, self.tick()))
+
+    @rule()
+    def sweep(self) -> None:
+        """The sweep's purge of finished tasks past retention: SUCCEEDED, or DEAD with the DLQ record acknowledged,
+        kept RETAIN_MS from their finish, or from when they were put back from their DLQ record if later (counted
+        from the death, an import of an old DLQ was purged at once, and a redrive's re-created task before its
+        redrive). Exactly those go."""
+        cutoff = self.tick() - RETAIN_MS
+        before = self.tasks()
+        due = {t.id: t for t in before if (t.status == Status.SUCCEEDED or (t.status == Status.DEAD
+                                                                             and t.dlq_state == "PUBLISHED"))
+               and t.finished_at is not None and t.finished_at < cutoff and self.back.get(t.id, 0) < cutoff}
+        self.run(self.store.purge("q", "finished", cutoff))
+        purged = {t.id for t in before} - {t.id for t in self.tasks()}
+        assert purged == set(due), f"purged {sorted(purged)}, expected {sorted(due)}"
+        self.gone |= purged
+        self.purged += [t for t in due.values() if t.status == Status.DEAD]
 
     @precondition(lambda self: self.has("PENDING", "IN_FLIGHT", "PARKED"))
     @rule()
