@@ -11,8 +11,8 @@ members, as the Kubernetes example deploys them), and three queues:
 - `pay`: an HTTP handler in front of a downstream the nemesis takes down and brings back (the breaker on).
 While records flow, the nemesis (seeded) SIGKILLs, SIGSTOPs (past the session timeout: a zombie) and SIGCONTs,
 SIGTERMs, deletes a bridge's store and restarts it, and takes the downstream down. Mid-run the fix is deployed
-(fixable records succeed from then on); a foreign DLQ (Kafka Connect format) is imported into `mixed`; after the
-healing both are redriven through the admin topic.
+(fixable records succeed from then on); a foreign DLQ (Kafka Connect format, records older than `mixed`'s task_ttl)
+is imported into `mixed`; after the healing both are redriven through the admin topic.
 
 The checker, from outside (the example log, the downstream's own log, the DLQ topics read_committed, the stores):
 1. nothing lost: every record ended as a success or a DLQ record;
@@ -114,6 +114,12 @@ class Run:
     imported: bool = False  # every record of the foreign DLQ is a task of `mixed`
     last_restart: float = 0.0  # the last restart of a bridge a poison pill killed
 
+    @property
+    def retain(self) -> float:
+        """`mixed`'s task_ttl, s: longer than the run (a dead record is still in its store at the final redrive);
+        the foreign DLQ's records died an hour before that (an old team's DLQ: imported, they are kept from then)."""
+        return max(3600.0, 2 * self.seconds)
+
     def topic(self, queue: str) -> str:
         return f"{queue}-{self.unique}"
 
@@ -133,6 +139,7 @@ def config_of(run: Run, port: int) -> BridgeConfig:
         "queues": {
             "mixed": {**chaos, "sources": [run.topic("mixed")], "dlq_topic": run.dlq("mixed"), "ordering": "key",
                       "max_attempts": MIXED_ATTEMPTS, "lease": "2s", "max_redrives": 3,
+                      "task_ttl": f"{run.retain:.0f}s",
                       "errors": {"permanent": ["bench.nemesis_handlers.NotDeployed"]}},
             "poison": {**chaos, "sources": [run.topic("poison")], "dlq_topic": run.dlq("poison"),
                        "max_attempts": POISON_ATTEMPTS, "lease": "2s", "breaker": {"enabled": False}},
@@ -224,7 +231,9 @@ def feed(run: Run, rng: random.Random, stop: threading.Event) -> threading.Threa
 
 
 def legacy_dlq(run: Run, n: int) -> None:
-    """A foreign DLQ (Kafka Connect format) of `n` ok records, to import into `mixed` while it runs."""
+    """A foreign DLQ (Kafka Connect format) of `n` ok records, to import into `mixed` while it runs; they died
+    longer ago than `mixed` keeps a finished task (counted from their death, the sweep purged them once imported)."""
+    died = int((time.time() - run.retain - 3600) * 1000)
     producer = Producer({"bootstrap.servers": run.bootstrap})
     for i in range(n):
         headers = [("__connect.errors.topic", f"legacy-{run.unique}".encode()), ("__connect.errors.partition", b"0"),
@@ -232,7 +241,7 @@ def legacy_dlq(run: Run, n: int) -> None:
                    ("__connect.errors.exception.class.name", b"org.apache.kafka.connect.errors.DataException"),
                    ("__connect.errors.exception.message", b"the sink refused it")]
         producer.produce(f"legacy-{run.unique}.dlq", key=f"legacy-{i}".encode(), value=b'{"kind": "ok"}',
-                         headers=headers)
+                         headers=headers, timestamp=died)
     producer.flush(30)
 
 
