@@ -357,7 +357,9 @@ async def test_a_task_put_back_from_its_dlq_record_is_kept_for_its_retention_fro
     """A DEAD task re-created from a DLQ record (a redrive after the purge, `rdq import` of an old DLQ) died long
     ago. Its retention counted from its death, the next sweep purged it again: between a redrive's re-creation and
     its redrive (test_admin's redrive from a DLQ record, in one CI run: re-created, never run), and for good after
-    an import of records older than task_ttl. Its death time stays what it was (the --since/--until filters)."""
+    an import of records older than task_ttl. Under retain_from: fetched, its DLQ record (acknowledged already)
+    counts as read when it came back: unread, it was kept for ever. Its death time stays (the --since/--until
+    filters)."""
     task_id = await store.submit(failure(dead=ErrorInfo("x", "y")))
     [task] = await store.dlq_outbox()
     assert await store.mark_dlq_published(task, "q.dlq", 0, 42, T0 + 5)
@@ -367,7 +369,10 @@ async def test_a_task_put_back_from_its_dlq_record_is_kept_for_its_retention_fro
     again = await store.get(task_id)
     assert again is not None and again.status == Status.DEAD and again.finished_at == task.finished_at
     assert await store.purge("q", "finished", back) == 0
+    assert await store.purge("q", "fetched", back) == 0  # its DLQ record, acknowledged, counts as read from then
     assert await store.dead_ids("q", until=T0 + 1) == [task_id]
+    assert await store.purge("q", "fetched", back + 1) == 1
+    assert await store.recreate_dead(task, "q.dlq", 0, 42, back)
     assert await store.purge("q", "finished", back + 1) == 1
 
 

@@ -484,13 +484,14 @@ RETURNING id, home_topic, home_partition;
 -- name: insert_task_copy
 -- A task re-created from its DLQ envelope (redrive after the store purged it): same id, history kept, its place in
 -- its key kept (ordering: key); it holds the key no more (its hold ended when it was acknowledged and purged). Its
--- finish stays its death; its life here starts :now (purge_finished retains it from then).
+-- finish stays its death; its life here starts :now (purge_finished retains it from then), and its DLQ record,
+-- acknowledged already, counts as read :now (retain_from: fetched, as mark_dlq_published; unread, it stayed for ever).
 INSERT INTO tasks (id, queue, handler_ref, handler_version, payload, payload_content_type, headers, status,
-                   attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at,
+                   attempt_count, redrive_count, next_attempt_at, created_at, life_started_at, finished_at, fetched_at,
                    dead_reason_type, dead_reason_message, dlq_state, dlq_topic, dlq_partition, dlq_offset,
                    source_ref, home_topic, home_partition, order_key, order_seq, order_hold)
 VALUES (:id, :queue, :handler_ref, :handler_version, :payload, :payload_content_type, :headers, 'DEAD',
-        :attempt_count, :redrive_count, NULL, :created_at, :now, :finished_at,
+        :attempt_count, :redrive_count, NULL, :created_at, :now, :finished_at, :now,
         :dead_reason_type, :dead_reason_message, 'PUBLISHED', :dlq_topic, :dlq_partition, :dlq_offset, NULL,
         :home_topic, :home_partition, :order_key, :order_seq, 0);
 
