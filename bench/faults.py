@@ -473,22 +473,24 @@ def old_store(bootstrap: str, tmp: Path) -> Row:
 
 def nemesis(bootstrap: str, tmp: Path, seconds: float) -> Row:
     """The randomized whole-system run (bench/nemesis.py) on this suite's broker: seeds FAULTS_SEED (or 13) and the
-    next, `seconds` of faults each; every invariant of its checker must hold on each."""
+    next, `seconds` of faults each, the second with every bridge a supervisor of 2 children (`--processes 2`);
+    every invariant of its checker must hold on each."""
     from bench.nemesis import keep_for_reading, nemesis_run
 
     first = int(os.environ.get("FAULTS_SEED", "13"))
     seeds = [first, first + 1]
     produced = successes = dead = 0
     problems: list[str] = []
-    for seed in seeds:
+    for seed, processes in zip(seeds, (1, 2), strict=True):
         where = tmp / f"nemesis-{seed}"
         where.mkdir(parents=True, exist_ok=True)
-        verdict = nemesis_run(bootstrap, where, seed, seconds)
+        verdict = nemesis_run(bootstrap, where, seed, seconds, processes=processes)
         produced, successes, dead = produced + verdict.produced, successes + verdict.successes, dead + verdict.dead
         problems += [f"seed {seed}: {v}" for v in verdict.violations]
         if verdict.violations:
             keep_for_reading(where, f"faults-nemesis-{seed}", seed)
-    note = f"seeds {', '.join(map(str, seeds))} (replay: FAULTS_SEED=N make faults FAULTS_ARGS='--only nemesis')"
+    note = (f"seeds {seeds[0]}, {seeds[1]} (2 processes a bridge) (replay: FAULTS_SEED=N make faults "
+            "FAULTS_ARGS='--only nemesis')")
     if problems:
         note = f"ERROR {'; '.join(problems)} — {note}"
     return Row("nemesis: 3 bridges, every feature on, SIGKILL/STOP/TERM, lost disks, outages, redrives, imports",

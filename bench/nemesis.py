@@ -4,13 +4,16 @@ and an outside checker of the invariants.
     python -m bench.nemesis [--seed N] [--seconds S]        (FAULTS_SEED=N replays a seed; `make soak`: long)
 
 Three bridge processes of one group, each with its own store, the changelog on (`--static N`: N of them static
-members, as the Kubernetes example deploys them), and three queues:
+members, as the Kubernetes example deploys them; `--processes N`: each bridge a supervisor of N children, each
+child a member with a store of its own), and three queues:
 - `mixed` (ordering: key, binary keys some of whose base64 holds `/`, the breaker on): ok, transient, permanent,
   hang and fixable records (bench/nemesis_handlers.py);
 - `poison`: records whose handler SIGKILLs the bridge running it, every time;
 - `pay`: an HTTP handler in front of a downstream the nemesis takes down and brings back (the breaker on).
 While records flow, the nemesis (seeded) SIGKILLs, SIGSTOPs (past the session timeout: a zombie) and SIGCONTs,
-SIGTERMs, deletes a bridge's store and restarts it, and takes the downstream down. Mid-run the fix is deployed
+SIGTERMs, deletes a bridge's store and restarts it, and takes the downstream down. Under `--processes`, a SIGKILL
+or SIGSTOP hits the supervisor or one of its children (its supervisor restarts a child that died); a supervisor
+SIGKILLed is started again while its children may still be stopping, as an orphan's would. Mid-run the fix is deployed
 (fixable records succeed from then on); a foreign DLQ (Kafka Connect format, records older than `mixed`'s task_ttl)
 is imported into `mixed`; after the healing both are redriven through the admin topic.
 
@@ -113,6 +116,7 @@ class Run:
     healed_at: float = 0.0
     imported: bool = False  # every record of the foreign DLQ is a task of `mixed`
     last_restart: float = 0.0  # the last restart of a bridge a poison pill killed
+    processes: int = 1  # children of each bridge's supervisor (1: no supervisor)
 
     @property
     def retain(self) -> float:
@@ -158,6 +162,8 @@ def bridges(run: Run, config: BridgeConfig, log: Path, fixed: Path, static: int 
         (run.tmp / name).mkdir(exist_ok=True)
         tree["store"]["path"] = str(run.tmp / name / "rdq.db")
         tree["engine"]["instance_id"] = name
+        if run.processes > 1:
+            tree["engine"]["processes"] = run.processes
         if i < static:  # a stable identity, as deploy/kubernetes gives each pod: a restart takes its partitions back
             tree["kafka"]["consumer"]["group.instance.id"] = f"nemesis-{run.unique}-{name}"
         out.append(BridgeProcess(parse_config(tree, "<nemesis>"), run.tmp / f"{name}.yaml",
@@ -280,8 +286,16 @@ class Supervisor:
                 self.busy.discard(i)
 
     def _watch(self) -> None:
+        kids: dict[int, tuple[int, set[int]]] = {}  # bridge → (its supervisor's pid, that supervisor's children)
         while not self.done.wait(0.5):
             for i, bridge in enumerate(self.group):
+                if self.run.processes > 1 and bridge.alive:  # a child its supervisor started again: a rebalance
+                    now = set(children_of(bridge.proc.pid))
+                    before = kids.get(i, (bridge.proc.pid, now))
+                    if before[0] == bridge.proc.pid and before[1] and now - before[1]:
+                        self.run.actions["child restarted by its supervisor"] += len(now - before[1])
+                        self.run.last_restart = time.time()
+                    kids[i] = bridge.proc.pid, now
                 with self.lock:
                     if i in self.busy or bridge.alive or self.done.is_set():
                         continue
@@ -311,6 +325,10 @@ class Nemesis:
 
     def _do(self, action: str, i: int) -> None:
         bridge = self.group[i]
+        kids = children_of(bridge.proc.pid) if bridge.alive and self.run.processes > 1 else []
+        if action in ("kill", "stop") and kids and self.rng.random() < 0.5:
+            self._to_a_child(action, self.rng.choice(sorted(kids)))
+            return
         if action == "outage":
             self.downstream.down = True
             time.sleep(self.rng.uniform(3, 8))
@@ -326,12 +344,46 @@ class Nemesis:
                 bridge.terminate(30)
             bridge.start()
         elif action in ("kill", "disk"):
-            bridge.kill()
+            bridge.kill()  # a supervisor's children see their lifeline close and stop by themselves meanwhile
             if action == "disk":
                 for leftover in (self.run.tmp / bridge.name).iterdir():
                     leftover.unlink()
             time.sleep(self.rng.uniform(0.5, 3))
             bridge.start()
+
+    def _to_a_child(self, action: str, pid: int) -> None:
+        """`--processes`: SIGKILL a child (its supervisor starts it again), or SIGSTOP it past the session timeout
+        (a zombie child, its partitions moved to the others) and SIGCONT it."""
+        self.run.actions[f"{action} a child"] += 1
+        with contextlib.suppress(ProcessLookupError):
+            if action == "kill":
+                os.kill(pid, signal.SIGKILL)
+                return
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(self.rng.uniform(2, 9))
+            os.kill(pid, signal.SIGCONT)
+
+
+def children_of(pid: int) -> list[int]:
+    """A supervisor's children (bridge processes), by their parent in /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def stores(run: Run, i: int) -> list[Path]:
+    """Bridge i's store files: one, or a child's each (`rdq-0.db`, …) under `--processes`."""
+    return sorted(p for p in (run.tmp / f"n{i}").glob("rdq*.db") if store_rows(p, "SELECT 1"))
+
+
+def open_tasks(run: Run) -> int:
+    return sum(int(store_rows(db, "SELECT COUNT(*) FROM tasks WHERE status IN ('PENDING', 'IN_FLIGHT', 'PARKED')")
+                   [0][0] or 0) for i in range(3) for db in stores(run, i))
 
 
 def rdq(config_path: Path, *args: str, timeout: float = 120) -> int:
@@ -449,10 +501,10 @@ def check(run: Run, config: BridgeConfig, log_path: Path, downstream: Downstream
     verdict.check(drained is not None and drained <= bound,
                   f"pay: drained {drained} s after the downstream was back and the group stable (bound {bound})")
     # 8. Nothing left open.
-    open_tasks = sum(int(store_rows(run.tmp / f"n{i}" / "rdq.db", "SELECT COUNT(*) FROM tasks WHERE status IN "
-                                    "('PENDING', 'IN_FLIGHT', 'PARKED')")[0][0] or 0)
-                     for i in range(3) if store_rows(run.tmp / f"n{i}" / "rdq.db", "SELECT 1"))
-    verdict.check(open_tasks == 0, f"{open_tasks} tasks left open")
+    left = open_tasks(run)
+    verdict.check(left == 0, f"{left} tasks left open")
+    verdict.figures["stores read"] = sum(len(stores(run, i)) for i in range(3))
+    verdict.check(verdict.figures["stores read"] >= 3 * run.processes, "a bridge's store was not found to read")
     verdict.figures["success lines (with at-least-once repeats)"] = len(lines)
     return verdict
 
@@ -483,8 +535,8 @@ def _count(config: BridgeConfig, topic: str, within: float = 180.0) -> int:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: int = 0) -> Verdict:
-    run = Run(seed, seconds, tmp, bootstrap)
+def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: int = 0, processes: int = 1) -> Verdict:
+    run = Run(seed, seconds, tmp, bootstrap, processes=processes)
     rng = random.Random(seed)
     log(f"nemesis: seed {seed} (replay: FAULTS_SEED={seed}), {seconds:g} s of faults")
     downstream = Downstream()
@@ -522,7 +574,9 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: in
         downstream.down = False
         for bridge in group:
             if bridge.alive:
-                os.kill(bridge.proc.pid, signal.SIGCONT)
+                for pid in [bridge.proc.pid, *children_of(bridge.proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
         run.healed_at = time.time()
         log("nemesis: healed")
         # A long run leaves a long backlog: the settling time grows with it (never less than 5 minutes).
@@ -533,9 +587,13 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: in
         supervisor.stop()
         for bridge in group:
             with contextlib.suppress(Exception):
-                if bridge.alive:
-                    os.kill(bridge.proc.pid, signal.SIGCONT)
+                kids = children_of(bridge.proc.pid) if bridge.alive else []
+                for pid in [bridge.proc.pid, *kids] if bridge.alive else []:
+                    os.kill(pid, signal.SIGCONT)
                 bridge.kill()
+                for pid in kids:  # not left stopping on their own after the run
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         downstream.close()
         log(f"nemesis: actions {dict(run.actions)}")
 
@@ -615,10 +673,7 @@ def _accounted(run: Run, config: BridgeConfig, example: Path) -> bool:
     mixed_dead = {r.source for r in read_dlq(run.bootstrap, run.dlq("mixed"), settle=0.5, timeout=10)}
     mixed_done = all(s in lines or (s in mixed_dead and run.kinds[s] != "fixable") for s in run.kinds)
     poison = _count(config, run.topic("poison")) <= _dead(run, "poison")
-    open_tasks = sum(int(store_rows(run.tmp / f"n{i}" / "rdq.db", "SELECT COUNT(*) FROM tasks WHERE status IN "
-                                    "('PENDING', 'IN_FLIGHT', 'PARKED')")[0][0] or 0)
-                     for i in range(3) if store_rows(run.tmp / f"n{i}" / "rdq.db", "SELECT 1"))
-    return mixed_done and all(s in lines for s in fixable) and len(legacy) == 40 and poison and open_tasks == 0
+    return mixed_done and all(s in lines for s in fixable) and len(legacy) == 40 and poison and open_tasks(run) == 0
 
 
 def _topic(run: Run, name: str) -> None:
@@ -644,6 +699,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--runs", type=int, default=1, help="seeds seed, seed+1, …")
     parser.add_argument("--static", type=int, default=0, help="how many of the 3 bridges are static members")
+    parser.add_argument("--processes", type=int, default=1, help="each bridge a supervisor of this many children")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
     failed = 0
@@ -653,12 +709,14 @@ def main() -> int:
             tmp = Path(tmp_name) / str(seed + n)
             tmp.mkdir()
             began = time.monotonic()
-            verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds, args.static)
+            verdict = nemesis_run(broker.bootstrap_servers, tmp, seed + n, args.seconds, args.static,
+                                  args.processes)
             print(f"seed {seed + n}: {verdict}", flush=True)
             failed += bool(verdict.violations)
             if verdict.violations:
                 keep_for_reading(tmp, f"nemesis-{seed + n}", seed + n)
-            lines.append(f"seed {seed + n}, {args.seconds:g} s of faults, {args.static} static members "
+            lines.append(f"seed {seed + n}, {args.seconds:g} s of faults, {args.static} static members, "
+                         f"{args.processes} process{'es' if args.processes > 1 else ''} a bridge "
                          f"({time.monotonic() - began:.0f} s in all): "
                          f"{verdict.produced} records, {verdict.successes} succeeded, {verdict.dead} in a DLQ; "
                          f"{verdict.figures}; violations: {verdict.violations or 'none'}")
