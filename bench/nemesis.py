@@ -506,6 +506,7 @@ def check(run: Run, config: BridgeConfig, log_path: Path, downstream: Downstream
     verdict.figures["stores read"] = sum(len(stores(run, i)) for i in range(3))
     verdict.check(verdict.figures["stores read"] >= 3 * run.processes, "a bridge's store was not found to read")
     verdict.figures["success lines (with at-least-once repeats)"] = len(lines)
+    verdict.figures["faults"] = dict(run.actions)
     return verdict
 
 
