@@ -376,6 +376,17 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def resume(bridge: BridgeProcess) -> list[int]:
+    """SIGCONT a running bridge and, under `--processes`, its children (any of them may be stopped); its children."""
+    if not bridge.alive:
+        return []
+    kids = children_of(bridge.proc.pid)
+    for pid in [bridge.proc.pid, *kids]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return kids
+
+
 def stores(run: Run, i: int) -> list[Path]:
     """Bridge i's store files: one, or a child's each (`rdq-0.db`, …) under `--processes`."""
     return sorted(p for p in (run.tmp / f"n{i}").glob("rdq*.db") if store_rows(p, "SELECT 1"))
@@ -574,10 +585,7 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: in
         # before the fix, and the imports.
         downstream.down = False
         for bridge in group:
-            if bridge.alive:
-                for pid in [bridge.proc.pid, *children_of(bridge.proc.pid)]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGCONT)
+            resume(bridge)
         run.healed_at = time.time()
         log("nemesis: healed")
         # A long run leaves a long backlog: the settling time grows with it (never less than 5 minutes).
@@ -588,9 +596,7 @@ def nemesis_run(bootstrap: str, tmp: Path, seed: int, seconds: float, static: in
         supervisor.stop()
         for bridge in group:
             with contextlib.suppress(Exception):
-                kids = children_of(bridge.proc.pid) if bridge.alive else []
-                for pid in [bridge.proc.pid, *kids] if bridge.alive else []:
-                    os.kill(pid, signal.SIGCONT)
+                kids = resume(bridge)
                 bridge.kill()
                 for pid in kids:  # not left stopping on their own after the run
                     with contextlib.suppress(ProcessLookupError):

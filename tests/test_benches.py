@@ -77,3 +77,21 @@ def test_every_figure_of_the_readmes_bench_tables_is_a_line_of_results(header: s
     assert len(quoted) > least, f"the README's table {header!r} was not found whole"
     missing = [(figure, row) for figure, row in quoted if figure.replace(",", "") not in recorded]
     assert not missing, f"figures the README quotes that bench/RESULTS.md does not hold: {missing}"
+
+
+def test_the_nemesis_checker_reads_every_childs_store(tmp_path: Path) -> None:
+    """Under `--processes` each child keeps its own store (`rdq-0.db`, …): the checker's "nothing left open" must
+    read them all, or it would pass by reading nothing."""
+    import sqlite3
+
+    from bench.nemesis import Run, open_tasks, stores
+
+    run = Run(1, 1.0, tmp_path, "unused", processes=2)
+    for i in range(3):
+        (tmp_path / f"n{i}").mkdir()
+        for child, status in enumerate(("SUCCEEDED", "PENDING" if i == 2 else "DEAD")):
+            with sqlite3.connect(tmp_path / f"n{i}" / f"rdq-{child}.db") as conn:
+                conn.execute("CREATE TABLE tasks (status TEXT)")
+                conn.execute("INSERT INTO tasks VALUES (?)", (status,))
+    assert [len(stores(run, i)) for i in range(3)] == [2, 2, 2]
+    assert open_tasks(run) == 1  # n2's second child's PENDING task
