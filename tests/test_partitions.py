@@ -5,13 +5,20 @@ ask for as many records as the byte budget allows (source/consumer.py)."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bridge.live_config import LiveConfig
+from bridge.source.backpressure import Backpressure
 from bridge.source.consumer import next_poll_size
 from bridge.source.offsets import PartitionTracker
 from bridge.source.partitions import IllegalMove, Partitions, PartitionState, Phase
+from bridge.store.tasks import Store
+from tests.helpers import engine_config, eventually, failure
 
 TP = ("in", 0)
 
@@ -157,3 +164,47 @@ def test_polls_grow_to_five_hundred_small_records_and_stay_within_the_byte_budge
     assert next_poll_size(500, 100_000, 64.0) == 83  # 32 MiB / 4 / 100 kB
     assert next_poll_size(500, 900_000, 8.0) == 1  # never none
     assert next_poll_size(1, 0, 64.0) == 4  # empty values count as one byte
+
+
+async def test_a_queue_is_counted_for_backpressure_only_while_one_of_its_partitions_serves(tmp_path: Path) -> None:
+    """The count decides pauses of the queue's consumed partitions only: none while they all restore (a restore of a
+    million tasks counted 100,000 of them four times a second for nothing). A queue held at its limit stays held
+    until one serves; then the count runs and lets it go once drained."""
+    config = engine_config(str(tmp_path / "rdq.db"), q={"handler": "ok", "sources": ["in"], "max_open_tasks": 2})
+    store = await Store.open(tmp_path / "rdq.db")
+    counted: list[str] = []
+    real = store.count_open
+
+    async def count_open(queue: str, most: int = -1) -> int:
+        counted.append(queue)
+        return await real(queue, most)
+
+    store.count_open = count_open  # type: ignore[method-assign]
+    partitions = Partitions()
+    state = PartitionState(TP)
+    state.move(Phase.RESTORING)
+    partitions.add(state)
+    backpressure = Backpressure(config, LiveConfig(config), store, partitions)
+    await store.submit_many([failure(), failure(), failure()])
+    stop = asyncio.Event()
+    watching = asyncio.create_task(backpressure.watch(stop))
+    try:
+        await asyncio.sleep(0.8)  # three intervals of the watch
+        assert counted == [] and backpressure.held_queues() == set()
+        state.move(Phase.ACTIVE)
+        assert await eventually(lambda: backpressure.held_queues() == {"q"}, within=5)
+        assert counted and set(counted) == {"q"}
+        state.move(Phase.LEAVING)  # not served any more: the hold stays, nothing is counted
+        await asyncio.sleep(0.3)
+        before = len(counted)
+        await store.db.write(lambda conn: conn.execute("DELETE FROM tasks"))
+        await asyncio.sleep(0.8)
+        assert len(counted) == before and backpressure.held_queues() == {"q"}
+        served = PartitionState(("in", 1))
+        served.move(Phase.ACTIVE)
+        partitions.add(served)
+        assert await eventually(lambda: backpressure.held_queues() == set(), within=5)
+    finally:
+        stop.set()
+        await watching
+        await store.close()
