@@ -44,10 +44,11 @@ _POLL = 0.05  # a consume returns at _BATCH records or after this: a small parti
 _STALL_WARN = 10.0
 _PROBE_WITHIN = 10.0  # seconds to read past a stalled partition's markers before it is asked again
 # Records decoded between two GIL releases (pick_last), for the store's thread to take the GIL back after each SQLite
-# step. 10 was best on 2026-12-02 (one process, 8k tasks/s); the restore of today, on the restore thread under
-# `processes: 2` (its decoding has no core of its own), waited in half its yields (py-spy): 1M tasks over 12
-# partitions at 10: 42.9-46.8k tasks/s, at 40: 45.8-51.5k (median 49.4k), alternated (bench/RESULTS.md, 2026-12-06
-# 20:50-21:21 UTC; 25, 60 and 100 were as good as 40 within the drift, 0 as bad as 10).
+# step. 10 was best on 2026-12-02 (one process, 8k tasks/s). Today's restore decodes on its restore thread under
+# `processes: 2` (no core to spare for a decoding process), and that thread spent half its time in the yields
+# (py-spy). 1M tasks over 12 partitions, alternated: every 10 records 42.9-46.8k tasks/s (median 45.8k), every 40
+# 45.8-51.5k (median 48.7k); 25, 60 and 100 as good as 40 within the drift, never (0) as bad as 10 (bench/RESULTS.md,
+# diagnostic, 2026-12-06 20:50-21:21 UTC).
 _YIELD_EVERY = 40
 Changelog = tuple[str, int]  # a changelog partition: (topic, partition)
 
