@@ -93,6 +93,11 @@ def _cpu_busy() -> tuple[float, float]:
 # Seconds after /readyz answers 200: every child joined and the group's assignment is final (a smoke run only
 # checks that the bench runs).
 SETTLE = 2.0 if SMOKE else 8.0
+# How often a run looks at the bridge's /metrics. Each look costs the bridge: under `processes: 2` the supervisor
+# merges its children's pages (2.3 ms of CPU a look, each child 0.45 ms; one process 0.5 ms), and at a look every
+# 50 ms that was 3 % of this 2-core machine under two processes against 1 % under one (bench/RESULTS.md,
+# 2026-12-06 23:40 UTC). A scraper in production looks every 15-60 s.
+POLL = 0.25
 
 
 def _ready(port: int) -> bool:
@@ -165,6 +170,7 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
         producer = threading.Thread(target=produce, args=(config.kafka.bootstrap_servers, topic, n, payload))
         producer.start()
         first: tuple[float, float, tuple[float, float]] | None = None
+        below_n: tuple[float, float] | None = None  # the last look that counted fewer than n: (time, count)
         cpu_before: dict[int, float] = {}
         while True:
             counted = _metric_sum(port, family, **labels)
@@ -174,21 +180,35 @@ def run_bridge(config: BridgeConfig, tmp: Path, processes: int, n: int, payload:
                 cpu_before = {pid: _cpu_seconds(pid) for pid in [*_pids(port, bridge), os.getpid()]}
             if counted >= n and first is not None:
                 break
+            if first is not None:
+                below_n = (now, counted)
             if now - began > WITHIN or bridge.poll() is not None:
                 raise BenchTimeout(f"rdq run --processes {processes} counted {counted:.0f} of {n} {family} within "
                                    f"{now - began:.0f} s (exit {bridge.poll()}; its log: {log})")
-            time.sleep(0.05)
+            time.sleep(POLL)
         cores = {pid: (_cpu_seconds(pid) - before) / max(now - first[0], 1e-9) for pid, before in cpu_before.items()}
         producer.join()
         busy, total = (b - a for a, b in zip(first[2], _cpu_busy(), strict=True))
-        # All n counted by the first look (a tiny run): no steady phase to measure; the wall rate stands in.
-        steady = (n - first[1]) / (now - first[0]) if first[1] < n else n / (now - began)
+        steady = _steady_rate(first[:2], below_n, (now, n), began)
         pids = _pids(port, bridge)
         helpers = [sum(rss_mib(h) for h in _own_children(pid) if h not in pids) for pid in pids]
         return BridgeRun(steady, now - began, [rss_mib(pid) for pid in pids], helpers, busy / total if total else 0.0,
                          [cores.get(pid, 0.0) for pid in pids], cores.get(os.getpid(), 0.0))
     finally:
         _stop(bridge)
+
+
+def _steady_rate(first: tuple[float, float], below_n: tuple[float, float] | None, last: tuple[float, float],
+                 began: float) -> float:
+    """Records/s between two looks at the count, both taken while it rose: the first that counted any and the
+    last that counted fewer than n (the look that counted n came up to POLL after the n-th record). A run too
+    short for two such looks: from the first look to the last; one look saw all n: the wall rate."""
+    (t0, c0), (t1, c1) = first, last
+    if c0 >= c1:
+        return c1 / (t1 - began)
+    if below_n is not None and below_n[1] > c0:
+        t1, c1 = below_n
+    return (c1 - c0) / (t1 - t0)
 
 
 def _wait_for(predicate: Any, bridge: subprocess.Popen[bytes], what: str) -> None:
