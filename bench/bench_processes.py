@@ -96,7 +96,7 @@ SETTLE = 2.0 if SMOKE else 8.0
 # How often a run looks at the bridge's /metrics. Each look costs the bridge: under `processes: 2` the supervisor
 # merges its children's pages (2.3 ms of CPU a look, each child 0.45 ms; one process 0.5 ms), and at a look every
 # 50 ms that was 3 % of this 2-core machine under two processes against 1 % under one (bench/RESULTS.md,
-# 2026-12-06 23:40 UTC). A scraper in production looks every 15-60 s.
+# diagnostic, 2026-12-06 23:05-23:38 UTC). A scraper in production looks every 15-60 s.
 POLL = 0.25
 
 

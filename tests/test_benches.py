@@ -95,3 +95,17 @@ def test_the_nemesis_checker_reads_every_childs_store(tmp_path: Path) -> None:
                 conn.execute("INSERT INTO tasks VALUES (?)", (status,))
     assert [len(stores(run, i)) for i in range(3)] == [2, 2, 2]
     assert open_tasks(run) == 1  # n2's second child's PENDING task
+
+
+def test_a_runs_rate_is_taken_between_looks_that_both_saw_the_count_rise() -> None:
+    """The look that counted n came up to a poll after the n-th record: the rate is taken up to the last look that
+    counted fewer (else a 250 ms poll would read a 3 s steady phase up to 8 % slow)."""
+    from bench.bench_processes import _steady_rate
+
+    began = 0.0
+    # 1,000 records/s from t=1 s: 500 at 1.5 s, 2,900 at 3.9 s; n = 3,000 was seen by a look at 4.2 s.
+    assert _steady_rate((1.5, 500.0), (3.9, 2900.0), (4.2, 3000.0), began) == pytest.approx(1000.0)
+    # Only one look before n: from it to the look that saw n.
+    assert _steady_rate((1.5, 500.0), (1.5, 500.0), (4.0, 3000.0), began) == pytest.approx(1000.0)
+    # The first look saw all n (a tiny run): the wall rate.
+    assert _steady_rate((2.0, 3000.0), None, (2.0, 3000.0), began) == pytest.approx(1500.0)
