@@ -663,8 +663,9 @@ async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decode
     may be left behind when the partition's end is reached."""
     from bench.bench_changelog import task_record
     from bridge.changelog.decoder import Decoder
+    from bridge.changelog.fetched import Fetched
     from bridge.changelog.picking import pick_last
-    from bridge.changelog.restore import Restorer, _Fetched, _Restoring
+    from bridge.changelog.restore import Restorer, _Restoring
 
     unique = uuid.uuid4().hex[:10]
     config = config_for(kafka, tmp_path, unique, partitions=1)
@@ -683,10 +684,10 @@ async def test_batches_read_ahead_are_applied_in_the_order_read_whichever_decode
     end = offset
     reads = iter(range(len(batches)))
 
-    async def read_decoded(self: Restorer, consumer: Any, decoder: Any, keys: Any) -> _Fetched:
+    async def read_decoded(self: Restorer, consumer: Any, decoder: Any, keys: Any) -> Fetched:
         n = next(reads, len(batches) - 1)
         await asyncio.sleep(0.05 * (len(batches) - n))  # each read ahead comes back before the one before it
-        fetched = _Fetched()
+        fetched = Fetched()
         if batches[n]:
             fetched.batches[(changelog, 0)] = (pick_last(batches[n]), len(batches[n]))
             fetched.reach((changelog, 0), batches[n][-1][0] + 1)
@@ -718,8 +719,9 @@ async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_
     fsync, not one a partition). A batch the store refuses fails its own partition (given up, retried by the
     owner) and not the others of the commit."""
     from bench.bench_changelog import task_record
+    from bridge.changelog.fetched import Fetched
     from bridge.changelog.picking import pick_last
-    from bridge.changelog.restore import RestoreFailed, _Fetched, _Restoring
+    from bridge.changelog.restore import RestoreFailed, _Restoring
     from bridge.store.database import StoreError
 
     unique = uuid.uuid4().hex[:10]
@@ -729,7 +731,7 @@ async def test_a_fetchs_batches_of_several_partitions_are_applied_in_one_commit_
     changelog = config.changelog_topic(topic)
     async with restorer_of(config, tmp_path, topic, 3) as (store, local, restorer, consumer):
         reading = {}
-        fetched = _Fetched()
+        fetched = Fetched()
         for p in range(3):
             part = reading[(changelog, p)] = _Restoring((topic, p), changelog, end=10, empty=False)
             await local.restore_begin(part.home)
@@ -798,3 +800,115 @@ async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kaf
     finally:
         consumer.close()
         await store.close()
+
+
+class _AssignSpy:
+    """A restore consumer that notes what it was assigned (a confluent-kafka Consumer takes no attributes)."""
+
+    def __init__(self, consumer: Consumer, assigned: list[tuple[int, int]]) -> None:
+        self._consumer, self._assigned = consumer, assigned
+
+    def assign(self, partitions: list[TopicPartition]) -> None:
+        self._assigned.extend((tp.partition, tp.offset) for tp in partitions)
+        self._consumer.assign(partitions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+class _DeletesOnClose:
+    """The restore's end probe: once it has read the ends, the log start of partition 1 moves on (retention)."""
+
+    def __init__(self, probe: Consumer, delete: Any) -> None:
+        self._probe, self._delete = probe, delete
+
+    def close(self) -> None:
+        self._probe.close()
+        self._delete()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._probe, name)
+
+
+async def test_a_restore_reads_from_each_log_start_and_from_a_new_one_when_it_moved_since(
+        kafka: Any, tmp_path: Path) -> None:
+    """Each changelog partition is assigned at its log start as the end probe found it (a known offset: a logical
+    OFFSET_BEGINNING is resolved by librdkafka ~0.5 s later); partition 0's start is past records deleted before
+    the restore. Partition 1's start moves on between the probe and the assignment: the fetch is out of range,
+    `auto.offset.reset` takes it from its new start, and its restore still ends with what is left."""
+    from bench.bench_changelog import task_record
+    from bridge.changelog.restore import Restorer
+    from bridge.clock import SystemClock
+    from bridge.kafka_clients import make_restore_consumer
+
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=2)
+    topic = f"in-{unique}"
+    # Not compacted (the broker refuses to delete a compacted topic's records): the restore reads it all the same.
+    changelog = f"log-{unique}"
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    admin.create_topics([NewTopic(changelog, 2, 1)])[changelog].result(30)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for partition in (0, 1):
+        for i in range(5):
+            key, value = task_record(partition * 10 + i, topic, 1, partition=partition)
+            producer.produce(changelog, key=key, value=value, partition=partition)
+    assert producer.flush(30) == 0
+
+    def delete_before(partition: int, offset: int) -> None:
+        for future in admin.delete_records([TopicPartition(changelog, partition, offset)]).values():
+            future.result(30)
+
+    delete_before(0, 2)
+    assigned: list[tuple[int, int]] = []
+    store = await Store.open(tmp_path / "restored.db", scoped=True)
+    try:
+        local = LocalIndex(store)
+        await local.set_changelogged([topic])
+        restorer = Restorer(
+            local, {topic: changelog}, lambda: _AssignSpy(make_restore_consumer(config, "t"), assigned),
+            SystemClock(), lambda: _DeletesOnClose(make_restore_consumer(config, "t", committed_only=False),
+                                                  lambda: delete_before(1, 3)))
+        reports: dict[int, Any] = {}
+
+        async def restored(report: Any) -> None:
+            reports[report.home[1]] = report
+
+        failed = await asyncio.wait_for(restorer.restore_many([(topic, 0), (topic, 1)], lambda _: True, restored), 60)
+        assert not failed
+        assert sorted(assigned) == [(0, 2), (1, 0)]  # known offsets, not OFFSET_BEGINNING (-2)
+        ids = await store.db.read(lambda c: [row[0] for row in c.execute("SELECT id FROM tasks ORDER BY id")])
+        expected = sorted(task_record(i, topic, 1)[0].decode() for i in (2, 3, 4, 13, 14))
+        assert ids == expected
+        assert (reports[0].tasks, reports[1].tasks) == (3, 2)
+    finally:
+        await store.close()
+
+
+async def test_a_fetch_does_not_wait_out_its_poll_once_every_partition_is_at_its_end(
+        kafka: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch waits up to _POLL for a full batch, but not once every partition it reads is at its end: nothing
+    more is coming. Here _POLL is two minutes: a restore of two small partitions that waited it out in each fetch
+    (its first, and the read-ahead behind it) would take minutes, not seconds."""
+    from bench.bench_changelog import task_record
+
+    monkeypatch.setattr("bridge.changelog.restore._POLL", 120.0)
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=2)
+    ensure_topics(config)
+    topic = f"in-{unique}"
+    changelog = config.changelog_topic(topic)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for partition in (0, 1):
+        for i in range(3):
+            key, value = task_record(partition * 10 + i, topic, 1, partition=partition)
+            producer.produce(changelog, key=key, value=value, partition=partition)
+    assert producer.flush(30) == 0
+    async with restorer_of(config, tmp_path, topic, 0) as (_store, _, restorer, _):
+        reports: list[Any] = []
+
+        async def restored(report: Any) -> None:
+            reports.append(report)
+
+        failed = await asyncio.wait_for(restorer.restore_many([(topic, 0), (topic, 1)], lambda _: True, restored), 30)
+        assert not failed and sorted(r.tasks for r in reports) == [3, 3]

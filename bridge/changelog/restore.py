@@ -21,12 +21,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from bridge.aio import OneThread
 from bridge.changelog.decoder import PROCESS_FROM, Decoder
+from bridge.changelog.fetched import Changelog, Fetched
 from bridge.changelog.local import Home, LocalIndex, RestoreBatch
-from bridge.changelog.picking import Picked, Record, pick_last
+from bridge.changelog.picking import Picked, pick_last
 from bridge.clock import Clock
 from bridge.memory import give_back_freed_memory
 from bridge.store.database import StoreError
@@ -41,6 +42,7 @@ _BATCH = 1000
 # (20.5-22.8k against 15.0-16.7k tasks/s, alternated); with three the apply slowed (more threads for the GIL).
 _READ_AHEAD = 2
 _POLL = 0.05  # a consume returns at _BATCH records or after this: a small partition waits no longer than it
+_SLICE = 0.005  # within _POLL, how often a fetch looks whether every partition it reads is at its end
 _STALL_WARN = 10.0
 _PROBE_WITHIN = 10.0  # seconds to read past a stalled partition's markers before it is asked again
 # Records decoded between two GIL releases (pick_last), for the store's thread to take the GIL back after each SQLite
@@ -50,7 +52,6 @@ _PROBE_WITHIN = 10.0  # seconds to read past a stalled partition's markers befor
 # 45.8-51.5k (median 48.7k); 25, 60 and 100 as good as 40 within the drift, never (0) as bad as 10 (bench/RESULTS.md,
 # diagnostic, 2026-12-06 20:50-21:21 UTC).
 _YIELD_EVERY = 40
-Changelog = tuple[str, int]  # a changelog partition: (topic, partition)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class _Restoring:
 
     home: Home
     topic: str
+    start: int = 0  # the log start offset when the restore began (the low watermark)
     end: int = 0
     empty: bool = True
     reached: int = -1
@@ -104,21 +106,6 @@ class _Restoring:
 
 
 Restored = Callable[[RestoreReport], Awaitable[None]]
-
-
-@dataclass
-class _Fetched:
-    """What one fetch brought: each partition's records, then picked (and their count), and how far it was read."""
-
-    records: dict[Changelog, list[Record]] = field(default_factory=dict)
-    batches: dict[Changelog, tuple[Picked, int]] = field(default_factory=dict)
-    reached: dict[Changelog, int] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    seconds: float = 0.0  # reading
-    decoding: float = 0.0  # the decoder's own time (a process's is not its round trip's)
-
-    def reach(self, key: Changelog, offset: int) -> None:
-        self.reached[key] = max(self.reached.get(key, -1), offset)
 
 
 class Restorer:
@@ -181,7 +168,7 @@ class Restorer:
                                                   f"{e}")
             return failed
         for key, (low, high) in ends.items():
-            parts[key].end, parts[key].empty = high, high <= low
+            parts[key].start, parts[key].end, parts[key].empty = low, high, high <= low
         decoder = Decoder(lambda records: self._call(pick_last, records, _YIELD_EVERY))
         if self.process_from is not None and sum(high - low for low, high in ends.values()) >= self.process_from:
             decoder.start()
@@ -195,7 +182,7 @@ class Restorer:
                 else:
                     reading[key] = part
             if reading:
-                await self._call(consumer.assign, [TopicPartition(*key, OFFSET_BEGINNING) for key in reading])
+                await self._call(self._assign_from_start, consumer, reading)
                 await self._read_all(consumer, decoder, reading, wanted, restored, failed)
         except (KafkaException, StoreError) as e:
             for part in parts.values():
@@ -219,12 +206,24 @@ class Restorer:
         finally:
             probe.close()
 
+    @staticmethod
+    def _assign_from_start(consumer: Consumer, reading: dict[Changelog, _Restoring]) -> None:
+        """Each partition from its log start as `_ends_of` found it, not OFFSET_BEGINNING, with its topic's metadata
+        asked first: librdkafka resolves a logical offset by a ListOffsets of its own that comes ~0.5 s later, and a
+        new consumer's fetcher waits for its first metadata refresh (a fresh consumer's first record 0.60 s after
+        the assignment, 0.10 s from the known offsets, 0.01 s with the metadata too: bench/RESULTS.md,
+        2026-12-07). Should the log start move on meanwhile (retention), the fetch is out of range and
+        `auto.offset.reset` (earliest) takes the partition from its new start."""
+        for topic in sorted({topic for topic, _ in reading}):
+            consumer.list_topics(topic, timeout=10.0)
+        consumer.assign([TopicPartition(*key, part.start) for key, part in reading.items()])
+
     async def _read_all(self, consumer: Consumer, decoder: Decoder, reading: dict[Changelog, _Restoring],
                         wanted: Callable[[Home], bool], restored: Restored, failed: dict[Home, Exception]) -> None:
         """Read every partition to its end; each one finished as soon as its end is reached. Pipelined: the next
         batches (`_READ_AHEAD`) are read and decoded while the store applies this one, and applied in the order
         they were read, whichever finished decoding first."""
-        ahead: deque[asyncio.Future[_Fetched]] = deque()  # read (and decoding) while the store applies a batch
+        ahead: deque[asyncio.Future[Fetched]] = deque()  # read (and decoding) while the store applies a batch
         try:
             while reading:
                 for key, part in list(reading.items()):
@@ -235,13 +234,13 @@ class Restorer:
                 if not reading:
                     return
                 while len(ahead) < _READ_AHEAD:
-                    ahead.append(asyncio.ensure_future(self._read_decoded(consumer, decoder, frozenset(reading))))
+                    ahead.append(asyncio.ensure_future(self._read_decoded(consumer, decoder, _ends(reading))))
                 began = time.monotonic()
                 fetched = await ahead.popleft()  # in the order read: a task's later record is applied last
                 self.seconds["waited"] += time.monotonic() - began
                 self.seconds["fetch"] += fetched.seconds
                 self.seconds["decode"] += fetched.decoding
-                ahead.append(asyncio.ensure_future(self._read_decoded(consumer, decoder, frozenset(reading))))
+                ahead.append(asyncio.ensure_future(self._read_decoded(consumer, decoder, _ends(reading))))
                 await self._apply(fetched, reading, consumer, failed)
                 for key, part in list(reading.items()):
                     part.reached = max(part.reached, fetched.reached.get(key, -1))  # only once its batch is in
@@ -251,7 +250,7 @@ class Restorer:
         finally:
             await asyncio.gather(*ahead, return_exceptions=True)  # the consumer closes after them, on its thread
 
-    async def _apply(self, fetched: _Fetched, reading: dict[Changelog, _Restoring], consumer: Consumer,
+    async def _apply(self, fetched: Fetched, reading: dict[Changelog, _Restoring], consumer: Consumer,
                      failed: dict[Home, Exception]) -> None:
         """Each partition's batch, all in one group commit: one fsync a fetch, not one a partition (1M tasks over 12
         partitions: 18.0k -> 20.8k tasks/s)."""
@@ -277,10 +276,10 @@ class Restorer:
             for why in errors:
                 log.error("changelog record unreadable (kept in the store, counted; the restore goes on): %s", why)
 
-    async def _read_decoded(self, consumer: Consumer, decoder: Decoder, keys: frozenset[Changelog]) -> _Fetched:
+    async def _read_decoded(self, consumer: Consumer, decoder: Decoder, ends: dict[Changelog, int]) -> Fetched:
         """The next batch of each partition, read, then reduced to its tasks' last records (decoded off the
         store's thread: `Decoder`)."""
-        fetched: _Fetched = await self._call(self._fetch, consumer, keys)
+        fetched: Fetched = await self._call(self._fetch, consumer, ends)
         for key, records in fetched.records.items():
             picked = await decoder.pick(records)
             fetched.batches[key] = (picked, len(records))
@@ -288,27 +287,24 @@ class Restorer:
         return fetched
 
     @staticmethod
-    def _fetch(consumer: Consumer, keys: frozenset[Changelog]) -> _Fetched:
+    def _fetch(consumer: Consumer, ends: dict[Changelog, int]) -> Fetched:
         """On the restore thread: a consumed batch per changelog partition, in log order, and how far each
         partition was read: by its records, end-of-partition events and the consumer's position, which steps over
-        the commit markers (a changelog whose last record is a marker is at its end once its position is)."""
-        fetched, began = _Fetched(), time.monotonic()
-        records = fetched.records
-        for msg in consumer.consume(_BATCH, _POLL):
-            key, offset = (msg.topic(), msg.partition()), msg.offset()
-            if key not in keys or offset is None:
-                continue  # a partition already finished or given up (paused; fetched before it was)
-            error = msg.error()
-            if error is None:
-                records.setdefault(key, []).append((offset, msg.key(), msg.value()))
-                fetched.reach(key, offset + 1)
-            elif error.code() == KafkaError._PARTITION_EOF:
-                fetched.reach(key, offset)
-            else:
-                fetched.warnings.append(f"{key[0]}/{key[1]}: {error}")
-        for tp in consumer.position([TopicPartition(*key) for key in keys]) if keys else []:
-            if tp.error is None and tp.offset >= 0:
-                fetched.reach((tp.topic, tp.partition), tp.offset)
+        the commit markers (a changelog whose last record is a marker is at its end once its position is). A batch
+        is _BATCH records or what came within _POLL, or less once every partition asked for (`ends`) is read to
+        its end: nothing more is coming, and a small restore waited out _POLL in each of its fetches (24
+        partitions of 5 tasks: 0.22 s a restore, bench/RESULTS.md 2026-12-07)."""
+        fetched, began = Fetched(), time.monotonic()
+        deadline, wanted = began + _POLL, _BATCH
+        while wanted > 0:
+            messages = consumer.consume(wanted, max(0.0, min(deadline - time.monotonic(), _SLICE)))
+            wanted -= len(messages)
+            fetched.take(messages, ends)
+            for tp in consumer.position([TopicPartition(*key) for key in ends]) if ends else []:
+                if tp.error is None and tp.offset >= 0:
+                    fetched.reach((tp.topic, tp.partition), tp.offset)
+            if time.monotonic() >= deadline or fetched.at_ends(ends):
+                break
         fetched.seconds = time.monotonic() - began
         return fetched
 
@@ -371,3 +367,8 @@ class Restorer:
             await restored(part.report(dropped))
         except (KafkaException, StoreError) as e:
             failed[part.home] = RestoreFailed(f"{part.topic}/{part.home[1]}: {e}")
+
+
+def _ends(reading: dict[Changelog, _Restoring]) -> dict[Changelog, int]:
+    return {key: part.end for key, part in reading.items()}
+
