@@ -3,6 +3,7 @@
     python -m bench.bench_processes failure [--n 20000] [--runs 3]   # every first attempt fails: processes 2 vs 1
     python -m bench.bench_processes happy   [--n 100000] [--runs 3]  # ok handler: processes 2 vs a bare loop of 2
     python -m bench.bench_processes restore [--n 1000000] [--runs 3] # a restart restoring 12 partitions: 2 vs 1
+    python -m bench.bench_processes ready   [--runs 3]               # a restart's time to ready, 24 partitions
     python -m bench.bench_processes all
 
 Each bridge is `rdq run --processes P` as users run it (a child process; production defaults, changelog on),
@@ -479,9 +480,85 @@ def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> No
     ])
 
 
+# ---- a restart's time to ready: processes 2, dynamic and static members -----------------------------------------
+
+READY_PARTITIONS = 24
+READY_PER_PARTITION = 5
+MEMBERSHIPS = ("dynamic", "static")
+
+
+class ReadyRun(NamedTuple):
+    first: float  # s, `rdq run` to every process assigned and every task restored: the group new
+    again: float  # the same after a stop and a start onto fresh stores: the group the one it left
+
+
+def _restored_within(bridge: subprocess.Popen[bytes], port: int, log: Path, n: int, processes: int) -> float:
+    """Seconds until /readyz answers 200, every process holds partitions and every task is restored."""
+    began = time.perf_counter()
+    while not (_ready(port) and _restored_all(log, n, processes)):
+        if time.perf_counter() - began > WITHIN or bridge.poll() is not None:
+            raise BenchTimeout(f"rdq run --processes {processes} did not restore {n} tasks within {WITHIN:.0f} s "
+                               f"(exit {bridge.poll()}; its log: {log})")
+        time.sleep(0.02)
+    return time.perf_counter() - began
+
+
+def ready_run(config: BridgeConfig, tmp: Path, processes: int, membership: str) -> ReadyRun:
+    """A fresh group's changelog holding 5 open tasks (an hour from due) of each of 24 partitions; `rdq run
+    --processes P` started on a fresh store until ready, stopped (SIGTERM), and started again on a fresh store (a
+    pod replaced, its disk gone) until ready. `static`: each process a static member (`kafka.consumer`'s
+    `group.instance.id`, suffixed `-<i>` per child), as deploy/kubernetes runs them."""
+    tree = config.file_tree()
+    unique = uuid.uuid4().hex[:6]
+    tree["kafka"]["group_id"] = f"{config.kafka.group_id}-{unique}"
+    if membership == "static":
+        tree["kafka"].setdefault("consumer", {})["group.instance.id"] = f"bench-ready-{unique}"
+    config = BridgeConfig.model_validate(tree)
+    topic = config.queues["q"].sources[0]
+    ensure_topics(config)
+    n = READY_PARTITIONS * READY_PER_PARTITION
+    in_a_child(fill_changelog, config.kafka.bootstrap_servers, topic, config.changelog_topic(topic), n, 5,
+               READY_PARTITIONS, int(time.time() * 1000))
+    times = []
+    for _ in range(2):
+        bridge, port, log = _start(config, tmp, processes, topic, fresh_group=False)
+        try:
+            times.append(_restored_within(bridge, port, log, n, processes))
+        finally:
+            _stop(bridge)
+    return ReadyRun(*times)
+
+
+def bench_ready(bootstrap: str, runs: int) -> None:
+    results: dict[tuple[int, str], list[ReadyRun]] = {}
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"},
+                              kafka={"bootstrap_servers": bootstrap, "group_id": f"bench-{uuid.uuid4().hex[:8]}",
+                                     "topic_partitions": READY_PARTITIONS})
+        for _ in range(runs):
+            for processes in (1, 2):
+                for membership in MEMBERSHIPS:
+                    run = ready_run(config, Path(tmp), processes, membership)
+                    results.setdefault((processes, membership), []).append(run)
+    lines = [
+        f"{READY_PARTITIONS} partitions x {READY_PER_PARTITION} open tasks (5 attempts each) in the changelog; {runs} "
+        "runs, each: `rdq run --processes P` on a fresh group and store until ready, stopped (SIGTERM), started again "
+        "on a fresh store (a pod replaced, its disk gone); production defaults; dynamic members, then static ones "
+        "(`group.instance.id` in kafka.consumer, as deploy/kubernetes sets it)",
+        "ready: `rdq run` to /readyz 200, every process holding partitions and every task restored; this broker's "
+        "group.initial.rebalance.delay.ms is 0",
+    ]
+    for (processes, membership), runs_of in results.items():
+        label = "baseline, " if processes == 1 else ""
+        lines.append(f"{label}processes {processes}, {membership} members: the group new "
+                     f"{_spread([r.first for r in runs_of], '.2f')} s; after the restart "
+                     f"{_spread([r.again for r in runs_of], '.2f')} s" + ("  (goal < 2 s)" if processes == 2 else ""))
+    record("a restart's time to ready on every core: processes 2, dynamic and static members", lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["failure", "happy", "restore", "all"])
+    parser.add_argument("which", choices=["failure", "happy", "restore", "ready", "all"])
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
@@ -493,6 +570,8 @@ def main() -> None:
             bench_happy(bootstrap, args.n or 100_000, args.runs)
         if args.which in ("restore", "all"):
             bench_restore(bootstrap, args.n or 1_000_000, args.runs)
+        if args.which in ("ready", "all"):
+            bench_ready(bootstrap, args.runs)
 
 
 if __name__ == "__main__":
