@@ -277,3 +277,26 @@ def test_more_processes_than_partitions_leave_a_child_idle_and_ready(kafka: Kafk
         assert supervisor.terminate(timeout=60) == 0, supervisor.tail(60)
     finally:
         supervisor.kill()
+
+
+def test_a_taken_telemetry_port_fails_the_start_before_any_child(tmp_path: Path, unique: str) -> None:
+    """The supervisor binds its /metrics and /readyz port before it spawns a child: a taken port ends `rdq run` at
+    once with a clear error (exit 2), and no child ever started (none joined the group to leave it again)."""
+    import socket
+
+    import yaml
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        config = kafka_config("127.0.0.1:1", tmp_path, unique, {"q": {"handler": "ok", "sources": [f"in-{unique}"]}},
+                              telemetry={"port": port}, engine={"processes": 2})
+        path = tmp_path / "bridge.yaml"
+        path.write_text(yaml.safe_dump(config.file_tree()))
+        run = subprocess.run([sys.executable, "-m", "bridge.cli", "run", "--config", str(path)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    finally:
+        taken.close()
+    assert run.returncode == 2, run.stderr
+    assert f"rdq: telemetry: cannot listen on 127.0.0.1:{port}" in run.stderr, run.stderr
+    assert "child 0 started" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -10,28 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import Iterable, Sequence
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from bridge.supervisor.children import Child
+from bridge.supervisor.metrics import SupervisorMetrics
 
 log = logging.getLogger(__name__)
 _CHILD_TIMEOUT = aiohttp.ClientTimeout(total=1.0)
-
-
-class SupervisorMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.restarts = Counter("rdq_supervisor_restarts", "Child processes restarted after they died",
-                                ["process"], registry=self.registry)
-        self.children = Gauge("rdq_supervisor_children", "Child processes configured", registry=self.registry)
-        self.running = Gauge("rdq_supervisor_children_running", "Child processes running", registry=self.registry)
 
 
 class _Merged:
@@ -103,15 +96,15 @@ class Gateway:
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "children": {str(c.index): c.status() for c in self.children}})
 
-    async def start(self) -> None:
-        """Listen on the configured port (an error if it is taken: the supervisor does not start half-served)."""
+    async def start(self, listener: socket.socket) -> None:
+        """Serve on the supervisor's socket, bound to the configured port before the children started."""
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.SockSite(self._runner, listener)
         await site.start()
         sockets = getattr(site._server, "sockets", None) or []
         self.bound_port = sockets[0].getsockname()[1] if sockets else self.port

@@ -16,12 +16,14 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
-from bridge.config import BridgeConfig
+from bridge.config import BridgeConfig, ConfigError
 from bridge.config.processes import base_identity
 from bridge.supervisor.children import Child
-from bridge.supervisor.gateway import Gateway, SupervisorMetrics
+from bridge.supervisor.gateway import Gateway
+from bridge.supervisor.metrics import SupervisorMetrics
 
 log = logging.getLogger(__name__)
 _KILL_AFTER_BUDGET = 5.0  # a child past its own stop budget logs what is stuck first
@@ -35,9 +37,7 @@ class Supervisor:
         self.children = [Child(i, count, config_path, self._restarted) for i in range(count)]
         self.stopping = asyncio.Event()
         self._signals = 0
-        telemetry = config.telemetry
-        self.gateway = (Gateway(self.children, self.metrics, telemetry.host, telemetry.port)
-                        if telemetry.port is not None else None)
+        self.gateway: Gateway | None = None  # serving once `run` bound its port
 
     def _restarted(self, index: int) -> None:
         self.metrics.restarts.labels(str(index)).inc()
@@ -76,8 +76,11 @@ class Supervisor:
                 child.signal(signal.SIGKILL)
 
     async def run(self) -> int:
-        if self.gateway is not None:
-            await self.gateway.start()
+        telemetry = self.config.telemetry
+        if telemetry.port is not None:  # bound first: a taken port fails the start clearly, before any child
+            listener = listen(telemetry.host, telemetry.port)
+            self.gateway = Gateway(self.children, self.metrics, telemetry.host, listener.getsockname()[1])
+            await self.gateway.start(listener)
         self._install_signals()
         log.info("rdq supervisor started: %d processes (instances %s-0 … -%d)", len(self.children),
                  base_identity(self.config), len(self.children) - 1)
@@ -92,3 +95,23 @@ class Supervisor:
                 await self.gateway.close()
         log.info("rdq supervisor stopped")
         return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The gateway's socket, bound before any child starts: a taken port fails the start, nothing half-served."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"telemetry: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"telemetry: cannot listen on {host}:{port} for the supervisor's /metrics and /readyz: "
+                          f"{e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
