@@ -442,12 +442,17 @@ def restore_run(config: BridgeConfig, tmp: Path, processes: int, n: int, partiti
                       own), size
 
 
+def _ok_config(bootstrap: str, tmp: Path, partitions: int) -> BridgeConfig:
+    """The `ok` handler's queue on topics of `partitions`, in a group of its own."""
+    return bench_config(bootstrap, tmp, {"handler": "ok"},
+                        kafka={"bootstrap_servers": bootstrap, "group_id": f"bench-{uuid.uuid4().hex[:8]}",
+                               "topic_partitions": partitions})
+
+
 def bench_restore(bootstrap: str, n: int, runs: int, partitions: int = 12) -> None:
     results: dict[int, list[RestoreRun]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"},
-                              kafka={"bootstrap_servers": bootstrap, "group_id": f"bench-{uuid.uuid4().hex[:8]}",
-                                     "topic_partitions": partitions})
+        config = _ok_config(bootstrap, Path(tmp), partitions)
         for _ in range(runs):
             for processes in (1, 2):
                 run, size = restore_run(config, Path(tmp), processes, n, partitions)
@@ -532,9 +537,7 @@ def ready_run(config: BridgeConfig, tmp: Path, processes: int, membership: str) 
 def bench_ready(bootstrap: str, runs: int) -> None:
     results: dict[tuple[int, str], list[ReadyRun]] = {}
     with tempfile.TemporaryDirectory(dir=".") as tmp:
-        config = bench_config(bootstrap, Path(tmp), {"handler": "ok"},
-                              kafka={"bootstrap_servers": bootstrap, "group_id": f"bench-{uuid.uuid4().hex[:8]}",
-                                     "topic_partitions": READY_PARTITIONS})
+        config = _ok_config(bootstrap, Path(tmp), READY_PARTITIONS)
         for _ in range(runs):
             for processes in (1, 2):
                 for membership in MEMBERSHIPS:

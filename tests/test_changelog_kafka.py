@@ -802,6 +802,18 @@ async def test_a_partition_not_fetched_for_a_while_is_not_taken_for_finished(kaf
         await store.close()
 
 
+def _put_tasks(kafka: Any, topic: str, changelog: str, each: int) -> None:
+    """`each` tasks' changelog records in partitions 0 and 1 (task ids 0.. and 10..)."""
+    from bench.bench_changelog import task_record
+
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for partition in (0, 1):
+        for i in range(each):
+            key, value = task_record(partition * 10 + i, topic, 1, partition=partition)
+            producer.produce(changelog, key=key, value=value, partition=partition)
+    assert producer.flush(30) == 0
+
+
 class _AssignSpy:
     """A restore consumer that notes what it was assigned (a confluent-kafka Consumer takes no attributes)."""
 
@@ -848,12 +860,7 @@ async def test_a_restore_reads_from_each_log_start_and_from_a_new_one_when_it_mo
     changelog = f"log-{unique}"
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
     admin.create_topics([NewTopic(changelog, 2, 1)])[changelog].result(30)
-    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
-    for partition in (0, 1):
-        for i in range(5):
-            key, value = task_record(partition * 10 + i, topic, 1, partition=partition)
-            producer.produce(changelog, key=key, value=value, partition=partition)
-    assert producer.flush(30) == 0
+    _put_tasks(kafka, topic, changelog, 5)
 
     def delete_before(partition: int, offset: int) -> None:
         for future in admin.delete_records([TopicPartition(changelog, partition, offset)]).values():
@@ -890,7 +897,6 @@ async def test_a_fetch_does_not_wait_out_its_poll_once_every_partition_is_at_its
     """A fetch waits up to _POLL for a full batch, but not once every partition it reads is at its end: nothing
     more is coming. Here _POLL is two minutes: a restore of two small partitions that waited it out in each fetch
     (its first, and the read-ahead behind it) would take minutes, not seconds."""
-    from bench.bench_changelog import task_record
 
     monkeypatch.setattr("bridge.changelog.restore._POLL", 120.0)
     unique = uuid.uuid4().hex[:10]
@@ -898,12 +904,7 @@ async def test_a_fetch_does_not_wait_out_its_poll_once_every_partition_is_at_its
     ensure_topics(config)
     topic = f"in-{unique}"
     changelog = config.changelog_topic(topic)
-    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
-    for partition in (0, 1):
-        for i in range(3):
-            key, value = task_record(partition * 10 + i, topic, 1, partition=partition)
-            producer.produce(changelog, key=key, value=value, partition=partition)
-    assert producer.flush(30) == 0
+    _put_tasks(kafka, topic, changelog, 3)
     async with restorer_of(config, tmp_path, topic, 0) as (_store, _, restorer, _):
         reports: list[Any] = []
 
