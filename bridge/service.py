@@ -176,6 +176,7 @@ class Bridge:
                             config.telemetry.port, store_writable=lambda: self.consumer.store_healthy,
                             queues=self.live.queue_names,
                             restoring=lambda: {f"{t}/{p}" for t, p in self.consumer.restoring},
+                            joined=lambda: self.consumer.joined,
                             breakers=lambda: {q: b["state"] for q, b in breakers.status().items()})
 
     async def run(self, stop: asyncio.Event) -> None:

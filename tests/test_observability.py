@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.records import trace_id
+from bridge.source.ownership import Ownership
 from bridge.telemetry.core import Telemetry
 from localkafka import LocalBroker
 from tests.conftest import KafkaEnv
@@ -194,9 +196,8 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_
                 code, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")
                 return (code == 200) == expected and body["ready"] == expected
 
-            # Ready, and the group's assignment restored: ready came before it (nothing assigned, nothing
-            # restoring) and a clean-clone CI run stopped the broker as the assignment arrived, its three
-            # partitions then restoring until the broker came back (as they should: a restore waits for it).
+            # Ready, and the group's assignment restored (a restore waits for the broker: stopped as the
+            # assignment arrives, the partitions would be restoring until it came back).
             await wait_until(lambda: bridge.health is not None and bridge.health.ready and all(
                 bridge.consumer.owns(f"in-{unique}", p) for p in range(3)), within=30, what="ready, restored")
             await wait_until(lambda: ready_is(True), within=30, what="ready")
@@ -204,12 +205,46 @@ async def test_readyz_follows_the_broker(tmp_path: Path, unique: str, stoppable_
             await wait_until(lambda: ready_is(False), within=30, what="not ready without a broker")
             _, body = await asyncio.to_thread(status, bridge.health.bound_port, "/readyz")
             # The breakers are shown, not part of readiness (an open one is the downstream's outage).
-            assert body == {"ready": False, "broker": False, "store": True, "restoring": [],
+            assert body == {"ready": False, "broker": False, "store": True, "joined": True, "restoring": [],
                             "breakers": {"q": "closed"}}
             await asyncio.to_thread(broker.start)
             await wait_until(lambda: ready_is(True), within=60, what="ready again")
     finally:
         await asyncio.to_thread(broker.start)  # running again for the tests after this one (a no-op if it runs)
+
+
+async def test_readyz_waits_for_the_groups_first_assignment(kafka: KafkaEnv, tmp_path: Path, unique: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new instance is not ready until the consumer group gave it its share: a rolling deploy moves on at a
+    pod's first 200, and ready before its member joined, the next old pod would go while this one holds nothing
+    yet. The assignment is held back on the consumer thread here; broker and store are fine all along."""
+    arrived, released = threading.Event(), threading.Event()
+    assign = Ownership.on_assign
+
+    def held_assign(self: Ownership, consumer: Any, partitions: list[Any]) -> None:
+        arrived.set()
+        released.wait(60)
+        assign(self, consumer, partitions)
+
+    monkeypatch.setattr(Ownership, "on_assign", held_assign)
+    config = kafka_config(kafka.bootstrap_servers, tmp_path, unique, {
+        "q": {"handler": "ok", "sources": [f"in-{unique}"], "dlq_topic": f"dlq-{unique}"}},
+        telemetry={"port": 0})
+    async with running_bridge(config) as bridge:
+        health = bridge.health
+        assert health is not None
+        try:
+            await wait_until(lambda: arrived.is_set() and health.broker_ok and health.bound_port, within=30,
+                             what="the assignment arriving, the broker answering")
+            code, body = await asyncio.to_thread(status, health.bound_port, "/readyz")  # type: ignore[arg-type]
+            assert (code, body["ready"], body["joined"]) == (503, False, False), body
+            assert body["broker"] and body["store"] and body["restoring"] == [], body
+        finally:
+            released.set()
+        await wait_until(lambda: health.ready, within=30, what="ready once assigned and restored")
+        assert all(bridge.consumer.owns(f"in-{unique}", p) for p in range(3))
+        code, body = await asyncio.to_thread(status, health.bound_port, "/readyz")  # type: ignore[arg-type]
+        assert (code, body["joined"]) == (200, True), body
 
 
 async def test_readyz_turns_false_when_the_store_cannot_be_written(kafka: KafkaEnv, tmp_path: Path,

@@ -118,6 +118,11 @@ class SourceConsumer:
     def restoring(self) -> set[TP]:
         return self.partitions.tps(Phase.RESTORING)
 
+    @property
+    def joined(self) -> bool:
+        """The consumer group gave this instance its first assignment (maybe of no partition)."""
+        return self.ownership.joined
+
     def owns(self, topic: str, partition: int) -> bool:
         return self.ownership.owns(topic, partition)
 

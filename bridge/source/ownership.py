@@ -64,6 +64,10 @@ class Ownership:
         # The latest state made for each partition, on the consumer thread (and read there only): a loss right
         # after an assignment finds the new state even before the loop has added it to `partitions`.
         self._latest: dict[TP, PartitionState] = {}
+        # The group gave this member its first assignment (none is one: an idle member of a group with more
+        # members than partitions). Set on the loop with the assigned states, so whoever reads it (`/readyz`)
+        # finds them there, restoring. Not unset by later rebalances: readiness does not flap with the group.
+        self.joined = not config.source_topics()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -118,6 +122,7 @@ class Ownership:
         for state in states:
             if state.phase is not Phase.GONE:  # lost again before this ran
                 self.partitions.add(state)
+        self.joined = True
 
     def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}

@@ -1,7 +1,9 @@
 """`/metrics` (Prometheus), `/healthz` and `/readyz` on a local port (SPEC §9).
 
-Ready means: the broker answers a metadata request and the store can be written. Not ready while either is
-not true; it turns ready again by itself.
+Ready means: the broker answers a metadata request, the store can be written, the consumer group gave this
+instance its first assignment (none is one: an idle member) and no assigned partition is restoring. Not ready
+while any is not true; it turns ready again by itself. A rolling deploy moves on once a new pod is ready: ready
+before its member joined, the next old pod would go while this one has not taken its share.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class HealthServer:
                  port: int, store_writable: Callable[[], bool] | None = None,
                  queues: Callable[[], list[str]] | None = None,
                  restoring: Callable[[], set[str]] | None = None,
+                 joined: Callable[[], bool] | None = None,
                  breakers: Callable[[], dict[str, str]] | None = None) -> None:
         self.telemetry = telemetry
         self.store = store
@@ -41,6 +44,7 @@ class HealthServer:
         self._store_writable = store_writable or (lambda: True)
         self._queues = queues or (lambda: [])
         self._restoring = restoring or (lambda: set())  # partitions restoring from their changelog
+        self._joined = joined or (lambda: True)  # the consumer group gave this instance its first assignment
         # Queues' circuit breakers, shown but not part of readiness: an open breaker is the downstream's outage,
         # and an unready bridge would be restarted or taken out of service for it.
         self._breakers = breakers or (lambda: {})
@@ -54,7 +58,7 @@ class HealthServer:
 
     @property
     def ready(self) -> bool:
-        return self.broker_ok and self.store_ok and not self._restoring()
+        return self.broker_ok and self.store_ok and self._joined() and not self._restoring()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.telemetry.metrics.registry)
@@ -64,7 +68,7 @@ class HealthServer:
         return web.json_response({"ok": True})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok,
+        body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok, "joined": self._joined(),
                 "restoring": sorted(self._restoring()), "breakers": self._breakers()}
         return web.Response(text=json.dumps(body), status=200 if self.ready else 503,
                             content_type="application/json")
