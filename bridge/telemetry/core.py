@@ -69,7 +69,8 @@ class Metrics:
                                       "store accepted them (SPEC §4.5)", ["queue", "accepted"], registry=r)
         self.threads_stuck = Gauge("rdq_handler_threads_stuck", "Sync handler threads still running a call that "
                                    "was abandoned (lease lost, silent, timed out)", ["queue"], registry=r)
-        self.ready = Gauge("rdq_ready", "1 when the broker is reachable and the store writable", registry=r)
+        self.ready = Gauge("rdq_ready", "1 when /readyz is 200: broker reachable, store writable, group joined, "
+                           "nothing restoring", registry=r)
         # The changelog (SPEC §10), per source partition ("topic/partition").
         self.changelog_unlogged = Gauge("rdq_changelog_lag", "Task transitions stored here but not yet acknowledged "
                                         "by the changelog", registry=r)
