@@ -171,6 +171,32 @@ async def test_redrive_from_a_dlq_record_after_the_store_purged_it(kafka: KafkaE
         assert task is not None and task.redrive_count == 1 and len(task.attempts) == 3  # 2 from the envelope
 
 
+async def test_a_redrive_from_the_dlq_that_loses_a_race_after_the_re_creation_says_so(
+        kafka: KafkaEnv, tmp_path: Path, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-created from its DLQ record, the task is DEAD in the store; if another redrive or a purge reaches it
+    before this one's own redrive (the redrive here refuses, as it would then), the reply names what happened
+    instead of a bare count of 0, and the re-created task stays, DEAD, for the next try."""
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                          "dlq_topic": f"dlq-{unique}"}})
+    async with running_bridge(config, registry) as bridge:
+        [task_id] = await dead_task(bridge, config, f"in-{unique}")
+        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+        await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
+        assert (await one(config, "purge", {"task_id": task_id}))["purged"] == 1
+
+        async def lost_the_race(*args: Any, **kwargs: Any) -> bool:
+            return False
+
+        monkeypatch.setattr(bridge.engine, "redrive", lost_the_race)
+        result = await one(config, "redrive", {"dlq": {"topic": f"dlq-{unique}", "partition": record.partition,
+                                                       "offset": record.offset}})
+        assert result["recreated"] and result["redriven"] == [] and result["count"] == 0, result
+        assert f"task {task_id} was re-created DEAD" in result["note"] and "no longer DEAD" in result["note"]
+        task = await bridge.store.get(task_id)
+        assert task is not None and task.status == "DEAD"
+
+
 def write(config: BridgeConfig, tmp_path: Path) -> Path:
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(config.file_tree()))

@@ -246,8 +246,12 @@ class RedriveCommands:
         ref = args.dlq
         await self.store.recreate_dead(task, ref.topic, ref.partition, ref.offset, self.engine.clock.now_ms(), home)
         ok = await self.engine.redrive(task.id, cmd.issued_by, cmd.request_id, cmd.key_id, guard)
-        return {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
-                "count": int(ok)}
+        reply = {"task_id": task.id, "held": False, "recreated": True, "redriven": [task.id] if ok else [],
+                 "count": int(ok)}
+        if not ok:  # another redrive or a purge reached it between the two steps: say so, not a bare 0
+            reply["note"] = (f"task {task.id} was re-created DEAD from its DLQ record, but was no longer DEAD when "
+                             "its redrive came (redriven or purged meanwhile); `rdq get` shows where it is")
+        return reply
 
     def home_for(self, task: Task) -> tuple[str, int] | None:
         """The partition of its `rdq.source`; when that partition no longer exists, the one its key chooses in the
