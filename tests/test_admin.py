@@ -142,17 +142,27 @@ async def test_filtered_redrive_with_and_without_dry_run(kafka: KafkaEnv, tmp_pa
         await wait_until(two_succeeded, what="two redriven tasks to succeed")
 
 
+def dlq_config(kafka: KafkaEnv, tmp_path: Path, unique: str) -> BridgeConfig:
+    return admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
+                                                        "dlq_topic": f"dlq-{unique}"}})
+
+
+async def purged_from_the_store(kafka: KafkaEnv, bridge: Any, config: BridgeConfig, unique: str) -> tuple[str, Any]:
+    """A task dead-lettered, published to the DLQ, then purged from the store: (its id, its DLQ record)."""
+    [task_id] = await dead_task(bridge, config, f"in-{unique}")
+    [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
+    await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
+    assert (await one(config, "purge", {"task_id": task_id}))["purged"] == 1
+    assert await bridge.store.get(task_id) is None
+    return task_id, record
+
+
 async def test_redrive_from_a_dlq_record_after_the_store_purged_it(kafka: KafkaEnv, tmp_path: Path,
                                                                   unique: str) -> None:
     registry, switch = switch_registry()
-    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
-                                                          "dlq_topic": f"dlq-{unique}"}})
+    config = dlq_config(kafka, tmp_path, unique)
     async with running_bridge(config, registry) as bridge:
-        [task_id] = await dead_task(bridge, config, f"in-{unique}")
-        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
-        await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
-        assert (await one(config, "purge", {"task_id": task_id}))["purged"] == 1
-        assert await bridge.store.get(task_id) is None
+        task_id, record = await purged_from_the_store(kafka, bridge, config, unique)
         switch.fixed = True
         ref = f"dlq-{unique}/{record.partition}/{record.offset}"
         proc = await asyncio.to_thread(subprocess.run, [
@@ -177,13 +187,9 @@ async def test_a_redrive_from_the_dlq_that_loses_a_race_after_the_re_creation_sa
     before this one's own redrive (the redrive here refuses, as it would then), the reply names what happened
     instead of a bare count of 0, and the re-created task stays, DEAD, for the next try."""
     registry, _ = switch_registry()
-    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"],
-                                                          "dlq_topic": f"dlq-{unique}"}})
+    config = dlq_config(kafka, tmp_path, unique)
     async with running_bridge(config, registry) as bridge:
-        [task_id] = await dead_task(bridge, config, f"in-{unique}")
-        [record] = await aread_dlq(kafka.bootstrap_servers, f"dlq-{unique}", expect=1)
-        await wait_until(lambda: bridge.dlq.published == 1, what="publish recorded")
-        assert (await one(config, "purge", {"task_id": task_id}))["purged"] == 1
+        task_id, record = await purged_from_the_store(kafka, bridge, config, unique)
 
         async def lost_the_race(*args: Any, **kwargs: Any) -> bool:
             return False
