@@ -99,18 +99,17 @@ class Supervisor:
 
 def listen(host: str, port: int) -> socket.socket:
     """The gateway's socket, bound before any child starts: a taken port fails the start, nothing half-served."""
+    sock = None
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                              flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ConfigError(f"telemetry: cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(128)
     except OSError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise ConfigError(f"telemetry: cannot listen on {host}:{port} for the supervisor's /metrics and /readyz: "
                           f"{e.strerror or e}") from None
     sock.setblocking(False)

@@ -68,10 +68,10 @@ class HealthServer:
         return web.json_response({"ok": True})
 
     async def _readyz(self, request: web.Request) -> web.Response:
-        body = {"ready": self.ready, "broker": self.broker_ok, "store": self.store_ok, "joined": self._joined(),
+        ready = self.ready  # read once: the body and the status say the same
+        body = {"ready": ready, "broker": self.broker_ok, "store": self.store_ok, "joined": self._joined(),
                 "restoring": sorted(self._restoring()), "breakers": self._breakers()}
-        return web.Response(text=json.dumps(body), status=200 if self.ready else 503,
-                            content_type="application/json")
+        return web.Response(text=json.dumps(body), status=200 if ready else 503, content_type="application/json")
 
     async def run(self, stop: asyncio.Event) -> None:
         app = web.Application()
