@@ -7,6 +7,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 CONFIG ?= config/bridge.yaml
 PYTEST_ARGS ?=
+# Tests run this many at a time (pytest-xdist), each worker with a broker of its own: the suite mostly waits on
+# brokers, bridges and timeouts, so two workers halve its time on two cores. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 RUN_ARGS ?=
 
 .PHONY: install kafka run demo test lint faults soak bench clean
@@ -33,7 +36,7 @@ demo: kafka
 	$(BIN)/python -m bridge.cli demo
 
 test: kafka
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The fault suite: SIGKILLs, broker outage, full store, hung / lease-leaking / crashing handlers, garbage,
 # huge records, bad configs, an old store. Prints a table and appends it to bench/RESULTS.md.

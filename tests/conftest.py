@@ -6,6 +6,8 @@
 
 If none can be had the run fails with the reason: a Kafka test is never skipped.
 Tests don't leak into each other: each makes its own topics and consumer groups (`unique`).
+`make test` runs two at a time (pytest-xdist): each worker is a session of its own, so it starts a broker of its
+own (or shares the KAFKA_BOOTSTRAP_SERVERS one, topics and groups apart).
 """
 
 from __future__ import annotations
