@@ -115,7 +115,9 @@ def bridge_config(kafka: KafkaEnv, tmp_path: Path, unique: str) -> BridgeConfig:
         "queues": {
             "orders.process": {"handler": "flaky", "sources": [f"orders-{unique}"], "max_attempts": 3,
                                "backoff": {"kind": "fixed", "base": "10ms"}, "dlq_topic": f"orders-{unique}.dlq"},
-            "payments.charge": {"handler": "ok", "sources": [f"payments-{unique}"]},
+            # Its own DLQ name too: the default (`payments.charge.dlq`) would be one topic for every test on a broker.
+            "payments.charge": {"handler": "ok", "sources": [f"payments-{unique}"],
+                                "dlq_topic": f"payments-{unique}.dlq"},
         },
         "admin": {"topic": f"admin-{unique}", "reply_topic": f"replies-{unique}",
                   "auth": {"keys": {"k1": "a-test-secret-of-32-bytes-or-more"}}},
