@@ -30,7 +30,7 @@ from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
-from bridge.records import SourceRecord
+from bridge.records import Fetched, SourceRecord
 from bridge.registry import Registry
 from bridge.source.ends import Results
 from bridge.source.first_delivery import FirstDelivery
@@ -304,7 +304,8 @@ async def bench_lane(n: int, rounds: int = 7) -> None:
     handler = registry.get("ok")
     assert handler is not None
     delivery = FirstDelivery(None, LiveConfig(config), registry, SystemClock(), None, "bench")  # type: ignore[arg-type]
-    batches = [[SourceRecord("in", 0, i, None, b"x" * 1000, 0, ()) for i in range(start, min(n, start + 500))]
+    batches = [[SourceRecord("in", 0, i, None, b"x" * 1000, 0, ()).fetched()
+                for i in range(start, min(n, start + 500))]
                for start in range(0, n, 500)]
     bare: list[float] = []
     laned: list[float] = []
@@ -312,8 +313,8 @@ async def bench_lane(n: int, rounds: int = 7) -> None:
         began = time.process_time()
         for batch in batches:
             for r in batch:
-                headers = {"rdq.source": r.source}
-                handler.fn(HandlerContext("t", "q", 1, 0, r.value, "application/octet-stream", headers))
+                headers = {"rdq.source": f"kafka://{r.topic()}/{r.partition()}/{r.offset()}"}
+                handler.fn(HandlerContext("t", "q", 1, 0, r.value(), "application/octet-stream", headers))
         bare.append((time.process_time() - began) / n * 1e6)
         laned.append(await _through_a_lane(delivery, batches, n))
     ratio = statistics.median(laned) / statistics.median(bare)
@@ -325,7 +326,7 @@ async def bench_lane(n: int, rounds: int = 7) -> None:
     ])
 
 
-async def _through_a_lane(delivery: FirstDelivery, batches: list[list[SourceRecord]], n: int) -> float:
+async def _through_a_lane(delivery: FirstDelivery, batches: list[list[Fetched]], n: int) -> float:
     threads = HandlerThreads(lambda queue: 4)
     tracker = PartitionTracker()
     finished = asyncio.Event()
@@ -342,7 +343,7 @@ async def _through_a_lane(delivery: FirstDelivery, batches: list[list[SourceReco
     lane = Lane(("in", 0), "q", delivery, threads, 16, on_results, lambda offset: False)
     began = time.process_time()
     for batch in batches:
-        tracker.fetched_many([r.offset for r in batch])
+        tracker.fetched_many([r.offset() for r in batch])
         lane.add(batch)
         for _ in itertools.count():  # as the consumer pauses a partition past its share
             if lane.backlog <= 2000:

@@ -1,5 +1,9 @@
 """Source records and the headers that follow them (SPEC §3, §4.1).
 
+A lane runs the fetched records as they came (`Fetched`: confluent-kafka's Message); a record becomes a
+`SourceRecord` only when it needs to (it fails, parks, is a suspect, is traced, or its handler is async): a
+success on the common path costs no object of its own.
+
 A task's headers are a flat string map. The Kafka record's key, timestamp and own headers (names and bytes,
 duplicates and binary values included) are kept losslessly, base64 where bytes may not be UTF-8, so the DLQ
 record can carry them exactly as they came.
@@ -13,7 +17,7 @@ import random
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 TP = tuple[str, int]  # a source partition: (topic, partition)
 SOURCE = "rdq.source"
@@ -42,6 +46,47 @@ def valid_traceparent(value: str | None) -> bool:
 
 def trace_id(traceparent: str) -> str:
     return traceparent.split("-")[1]
+
+
+class Fetched(Protocol):
+    """A fetched record as a lane holds it: confluent-kafka's Message, or a `FetchedRecord`."""
+
+    def topic(self) -> str: ...
+    def partition(self) -> int: ...
+    def offset(self) -> int: ...
+    def key(self) -> bytes | None: ...
+    def value(self) -> bytes | None: ...
+    def headers(self) -> list[tuple[str, bytes | None]] | None: ...
+    def timestamp(self) -> tuple[int, int]: ...
+    def __len__(self) -> int: ...  # the value's bytes
+
+
+def content_type_of(headers: Any) -> str:
+    """The first of the content-type headers with a UTF-8 value (each name's first occurrence), else
+    application/octet-stream."""
+    if not headers:
+        return "application/octet-stream"
+    for name in CONTENT_TYPE_HEADERS:
+        for key, value in headers:
+            if key == name:
+                text = _text(value)
+                if text:
+                    return text
+                break
+    return "application/octet-stream"
+
+
+def _text(value: bytes | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def source_of(record: Fetched) -> str:
+    return f"kafka://{record.topic()}/{record.partition()}/{record.offset()}"
 
 
 @dataclass(slots=True)
@@ -73,23 +118,15 @@ class SourceRecord:
         return None
 
     def header_text(self, name: str) -> str | None:
-        value = self.header(name)
-        if value is None:
-            return None
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
+        return _text(self.header(name))
 
     @property
     def content_type(self) -> str:
-        if not self.headers:
-            return "application/octet-stream"
-        for name in CONTENT_TYPE_HEADERS:
-            value = self.header_text(name)
-            if value:
-                return value
-        return "application/octet-stream"
+        return content_type_of(self.headers)
+
+    def fetched(self) -> FetchedRecord:
+        """This record in a lane's shape (put back to run again, or a test's)."""
+        return FetchedRecord(self)
 
     def task_headers(self, sampled: bool = True) -> dict[str, str]:
         """`rdq.source`, a valid `traceparent` (the record's, or a new trace), key, timestamp, own headers."""
@@ -111,31 +148,88 @@ class SourceRecord:
         return headers
 
 
+class FetchedRecord:
+    """A SourceRecord in the fetched Message's shape (`Fetched`): a record that goes back into its lane."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: SourceRecord) -> None:
+        self.record = record
+
+    def topic(self) -> str:
+        return self.record.topic
+
+    def partition(self) -> int:
+        return self.record.partition
+
+    def offset(self) -> int:
+        return self.record.offset
+
+    def key(self) -> bytes | None:
+        return self.record.key
+
+    def value(self) -> bytes:
+        return self.record.value
+
+    def headers(self) -> list[tuple[str, bytes | None]] | None:
+        return list(self.record.headers) or None
+
+    def timestamp(self) -> tuple[int, int]:
+        ts = self.record.timestamp
+        return (0, 0) if ts is None else (1, ts)  # (TIMESTAMP_NOT_AVAILABLE, 0) or (TIMESTAMP_CREATE_TIME, ts)
+
+    def error(self) -> None:
+        return None
+
+    def __len__(self) -> int:
+        return len(self.record.value)
+
+
+def source_record(record: SourceRecord | Fetched) -> SourceRecord:
+    """A fetched record as a SourceRecord (made when a record needs one: it failed, parks, is a suspect)."""
+    if isinstance(record, SourceRecord):
+        return record
+    if isinstance(record, FetchedRecord):
+        return record.record
+    return SourceRecord.from_message(record)
+
+
 class TaskHeaders(Mapping[str, str]):
     """A record's task headers (`SourceRecord.task_headers`), made on first use: a handler that succeeds reading
-    only `rdq.source` (or nothing) never pays for a new trace id, base64 and JSON. Made once, then fixed: the
-    headers a handler saw are the ones its task stores."""
+    only `rdq.source` (or nothing) never pays for a new trace id, base64 and JSON (nor, for a fetched record, a
+    SourceRecord). Made once, then fixed: the headers a handler saw are the ones its task stores."""
 
     __slots__ = ("_made", "_record", "sampled")
 
-    def __init__(self, record: SourceRecord, sampled: bool = True) -> None:
+    def __init__(self, record: SourceRecord | Fetched, sampled: bool = True) -> None:
         self._record = record
         self._made: dict[str, str] | None = None
         self.sampled = sampled  # the trace flag a record without a traceparent gets
 
     def made(self) -> dict[str, str]:
         if self._made is None:
-            self._made = self._record.task_headers(self.sampled)
+            self._made = self.record().task_headers(self.sampled)
         return self._made
+
+    def record(self) -> SourceRecord:
+        """Their record as a SourceRecord (a fetched one's made once: its task and these headers share it)."""
+        record = self._record
+        if not isinstance(record, SourceRecord):
+            record = self._record = source_record(record)
+        return record
+
+    def _source(self) -> str:
+        record = self._record
+        return record.source if isinstance(record, SourceRecord) else source_of(record)
 
     def __getitem__(self, key: str) -> str:
         if key == SOURCE and self._made is None:
-            return self._record.source
+            return self._source()
         return self.made()[key]
 
     def get(self, key: str, default: Any = None) -> Any:
         if key == SOURCE and self._made is None:
-            return self._record.source
+            return self._source()
         return self.made().get(key, default)
 
     def __iter__(self) -> Iterator[str]:

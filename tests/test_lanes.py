@@ -20,7 +20,7 @@ from bridge.engine.threads import HandlerThreads
 from bridge.handler_api import HandlerContext
 from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status
-from bridge.records import SourceRecord
+from bridge.records import Fetched, SourceRecord
 from bridge.registry import Registry
 from bridge.source.ends import Ran, Results
 from bridge.source.first_delivery import FirstDelivery
@@ -54,7 +54,7 @@ class Rig:
     def _collect(self, lane: Lane, results: Results) -> None:
         # A chunk's successes come as (record, seconds) pairs: seen here as the Ran each stands for.
         self.results.extend(results.ran)
-        self.results.extend(Ran(record, "q", None, Outcome.SUCCESS, took) for record, took in results.ok)
+        self.results.extend(Ran(_as_record(record), "q", None, Outcome.SUCCESS, took) for record, took in results.ok)
         if self.stores_keys and results.failures():
             lane.stored([ran.record.key for ran in results.failures()])
 
@@ -65,6 +65,11 @@ class Rig:
             await self.store.close()
 
 
+def _as_record(fetched: Fetched) -> SourceRecord:
+    """What the rig keeps of a success: its offset and key (not `SourceRecord.from_message`, which a test counts)."""
+    return SourceRecord(fetched.topic(), fetched.partition(), fetched.offset(), fetched.key(), b"", None, ())
+
+
 @pytest.fixture
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     r = Rig(tmp_path)
@@ -72,8 +77,9 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     await r.close()
 
 
-def records(n: int, payload: bytes = b"{}") -> list[SourceRecord]:
-    return [SourceRecord("t", 0, i, None, payload, None, ()) for i in range(n)]
+def records(n: int, payload: bytes = b"{}") -> list[Fetched]:
+    """Records as a lane holds them, fetched (here, SourceRecords in the fetched Message's shape)."""
+    return [SourceRecord("t", 0, i, None, payload, None, ()).fetched() for i in range(n)]
 
 
 async def watchdog(lane: Lane) -> None:
@@ -389,7 +395,7 @@ async def test_a_keys_next_record_waits_until_its_failed_record_is_stored(rig: R
 
     lane = await rig.lane(fails_first, ordering="key")
     lane.load_keys(set())
-    lane.add([SourceRecord("t", 0, i, b"K", b"{}", None, ()) for i in range(3)])
+    lane.add([SourceRecord("t", 0, i, b"K", b"{}", None, ()).fetched() for i in range(3)])
     assert await eventually(lambda: len(rig.results) >= 1)
     await asyncio.sleep(0.3)
     assert [r.record.offset for r in rig.results] == [0] and rig.results[0].task is not None
@@ -403,9 +409,9 @@ async def test_a_keys_next_record_waits_until_its_failed_record_is_stored(rig: R
     assert await eventually(lambda: [r.record.offset for r in rig.results] == [0, 1, 2])
 
 
-def keyed(n: int, keys: int) -> list[SourceRecord]:
+def keyed(n: int, keys: int) -> list[Fetched]:
     """n records of `keys` distinct keys in turn (offset i has key i % keys)."""
-    return [SourceRecord("t", 0, i, str(i % keys).encode(), b"{}", None, ()) for i in range(n)]
+    return [SourceRecord("t", 0, i, str(i % keys).encode(), b"{}", None, ()).fetched() for i in range(n)]
 
 
 async def run_keyed(rig: Rig, handler: Callable[..., Any], n: int) -> tuple[Lane, dict[int, Ran]]:
@@ -543,3 +549,69 @@ async def test_an_async_handlers_ordered_lane_runs_each_key_in_order_and_parks_a
     assert ran[5] == list(range(5, 106, 10))
     assert all((t := by_offset[o].task) is not None and t.status == Status.PARKED for o in range(115, 300, 10))
     assert all(ran[key] == list(range(key, 300, 10)) for key in set(range(10)) - {5})
+
+
+class Message:
+    """A fetched record with confluent-kafka's Message methods (its constructor is for tests only from 2.13 on)."""
+
+    def __init__(self, offset: int, key: bytes | None, value: bytes,
+                 headers: list[tuple[str, bytes | None]] | None) -> None:
+        self._offset, self._key, self._value, self._headers = offset, key, value, headers
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes | None]] | None:
+        return self._headers
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000 + self._offset)
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+
+async def test_a_success_on_the_common_path_makes_no_source_record_and_a_failure_keeps_all_of_its_record(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common path (a sync handler here, tracing off) runs a record as fetched: a success is the fetched
+    record and its seconds, no SourceRecord made; the record that fails becomes one with all it carried — key,
+    headers, timestamp, content type — and its task's attempt starts when its handler began."""
+    made: list[int] = []
+    from_message = SourceRecord.from_message
+    monkeypatch.setattr(SourceRecord, "from_message", classmethod(
+        lambda cls, msg: made.append(msg.offset()) or from_message(msg)))
+    seen: list[tuple[str, str, bytes]] = []
+
+    def handler(ctx: HandlerContext) -> None:
+        seen.append((ctx.source, ctx.content_type, ctx.payload))
+        if ctx.payload == b"fail":
+            raise ValueError("no")
+
+    headers = [("content-type", b"text/plain"), ("x-bin", b"\xff\x00")]
+    fetched = [Message(i, b"k%d" % i, b"fail" if i == 7 else b"{}", headers if i % 2 else None) for i in range(20)]
+    lane = await rig.lane(handler)
+    before = time.time()
+    lane.add(fetched)  # type: ignore[arg-type]  (the test's Message has the methods a lane reads)
+    assert await eventually(lambda: len(rig.results) == 20)
+    assert made == [7]  # only the failure became a SourceRecord
+    assert seen[3] == ("kafka://t/0/3", "text/plain", b"{}") and seen[4] == ("kafka://t/0/4",
+                                                                               "application/octet-stream", b"{}")
+    failure = next(r for r in rig.results if r.task is not None)
+    assert failure.record == SourceRecord("t", 0, 7, b"k7", b"fail", 1_700_000_000_007, tuple(headers))
+    task = failure.task
+    assert task is not None and task.payload_content_type == "text/plain"
+    assert task.headers["rdq.source"] == "kafka://t/0/7" and task.headers["rdq.kafka.key"] == "azc="
+    assert task.first_attempt is not None
+    assert before * 1000 - 5 <= task.first_attempt.started_at <= task.first_attempt.finished_at

@@ -22,7 +22,7 @@ import pytest
 
 from bridge.handler_api import HandlerContext
 from bridge.model import Status
-from bridge.records import SourceRecord
+from bridge.records import Fetched, SourceRecord
 from bridge.source.ends import Ran, Results
 from bridge.source.lanes import Lane
 from tests.helpers import eventually
@@ -51,8 +51,8 @@ class Mix:
         self._running: set[bytes] = set()
         self._lock = threading.Lock()
 
-    def records(self) -> list[SourceRecord]:
-        return [SourceRecord("t", 0, i, key, b"{}", None, ()) for i, key in enumerate(self.keys)]
+    def records(self) -> list[Fetched]:
+        return [SourceRecord("t", 0, i, key, b"{}", None, ()).fetched() for i, key in enumerate(self.keys)]
 
     def __call__(self, ctx: HandlerContext) -> None:
         offset = offset_of(ctx)

@@ -21,7 +21,7 @@ from bridge.source.lane_keys import LaneKeys
 from bridge.source.runners import CpuLoad, Runner
 
 if TYPE_CHECKING:
-    from bridge.records import SourceRecord
+    from bridge.records import Fetched
 
 # At most this many records a chunk. A lane's chunks start at one record and double while every record is fast; a
 # slow record brings them back to one, so records wait behind a slow handler in the lane, where other runners
@@ -33,7 +33,7 @@ class ChunkedRunners:
     """The chunk half of a Lane: its state is the lane's, guarded by the lane's lock."""
 
     _lock: threading.Lock
-    ready: deque[SourceRecord]
+    ready: deque[Fetched]
     ready_bytes: int
     held: bool
     limit: int
@@ -43,7 +43,7 @@ class ChunkedRunners:
     _runners: set[Runner]
     _starting: int
     _results: list[Ran]
-    _ok: list[tuple[SourceRecord, float]]
+    _ok: list[tuple[Fetched, float]]
     _wake_pending: bool
     _load: CpuLoad
     _on_failure: Callable[[Any, Ran], None] | None  # called with the Lane
@@ -70,7 +70,7 @@ class ChunkedRunners:
         taken = 0
         for _ in range(min(self.chunk_size, len(ready))):
             record = ready.popleft()
-            taken += len(record.value)
+            taken += len(record)
             chunk.append(record)
         self.ready_bytes -= taken
         return True
@@ -95,7 +95,7 @@ class ChunkedRunners:
             except IndexError:
                 return
             ready.appendleft(record)
-            self.ready_bytes += len(record.value)
+            self.ready_bytes += len(record)
             if self.ordered:
                 self._keys.handed_back(record)
 

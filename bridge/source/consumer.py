@@ -28,7 +28,7 @@ from bridge.aio import OneThread
 from bridge.clock import Clock
 from bridge.config import BridgeConfig
 from bridge.live_config import LiveConfig
-from bridge.records import TP, SourceRecord
+from bridge.records import TP, Fetched
 from bridge.source.backpressure import Backpressure
 from bridge.source.ends import Ran, Results
 from bridge.source.first_delivery import FirstDelivery
@@ -179,7 +179,7 @@ class SourceConsumer:
         next_flush = 0.0
         while not stop.is_set():
             messages = await self.thread.call(self._poll)
-            records = [SourceRecord.from_message(m) for m in messages if m.error() is None]
+            records: list[Fetched] = [m for m in messages if m.error() is None]  # as fetched (records.py)
             if len(records) != len(messages):
                 self._log_errors(messages)
             if records:
@@ -201,8 +201,8 @@ class SourceConsumer:
             return first
         return first + self.kafka.consume(self._poll_size - 1, 0)
 
-    def _size_polls(self, records: list[SourceRecord]) -> None:
-        average = sum([len(r.value) for r in records]) / len(records)
+    def _size_polls(self, records: list[Fetched]) -> None:
+        average = sum([len(r) for r in records]) / len(records)
         self._poll_size = next_poll_size(self._poll_size, average, self.config.kafka.max_buffered_mb)
 
     @staticmethod
@@ -213,10 +213,10 @@ class SourceConsumer:
             if error is not None and error.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", error)
 
-    async def _accept(self, records: list[SourceRecord]) -> None:
-        by_tp: dict[TP, list[SourceRecord]] = {}
+    async def _accept(self, records: list[Fetched]) -> None:
+        by_tp: dict[TP, list[Fetched]] = {}
         for record in records:
-            tp = (record.topic, record.partition)
+            tp = (record.topic(), record.partition())
             batch = by_tp.get(tp)
             if batch is None:
                 batch = by_tp[tp] = []
@@ -224,12 +224,12 @@ class SourceConsumer:
         # A record fetched before its partition was revoked is left out: uncommitted, its next owner gets it.
         by_partition = {state: batch for tp, batch in by_tp.items() if (state := self.partitions.get(tp)) is not None}
         for state, batch in by_partition.items():
-            state.tracker.fetched_many([record.offset for record in batch])
+            state.tracker.fetched_many([record.offset() for record in batch])
         self._records += len(records)
         # Durable before any of these handlers runs: a handler that kills the process is recognised on return.
         # The journal write is not awaited here: the next poll overlaps it (it joins the failures' group commit),
         # and the batch starts once it is durable, after the batches fetched before it.
-        ranges = [(*state.tp, _first(state.tracker.lowest_pending, batch[-1].offset), batch[-1].offset)
+        ranges = [(*state.tp, _first(state.tracker.lowest_pending, batch[-1].offset()), batch[-1].offset())
                   for state, batch in by_partition.items()]
         while len(self._journaling) >= _JOURNALS_IN_FLIGHT:
             await asyncio.wait([self._journaling[0]])
@@ -239,7 +239,7 @@ class SourceConsumer:
         task.add_done_callback(self._journaling.remove)
 
     async def _journal_then_start(self, ranges: list[tuple[str, int, int, int]],
-                                  by_partition: dict[PartitionState, list[SourceRecord]],
+                                  by_partition: dict[PartitionState, list[Fetched]],
                                   previous: asyncio.Task[None] | None) -> None:
         committed = [(*s.tp, off) for s in self.partitions if (off := s.tracker.commit_offset()) is not None]
         await self.journal.write(ranges, committed, self.backpressure.set_store_health, self._apply_pauses)

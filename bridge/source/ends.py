@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from bridge.config import QueueConfig
 from bridge.handler_api import HandlerContext
 from bridge.model import NewTask, Outcome, Status
-from bridge.records import SourceRecord
+from bridge.records import Fetched, SourceRecord, TaskHeaders, source_record
 from bridge.registry import Handler
 
 
@@ -22,17 +22,24 @@ class Stored:
 
 @dataclass(slots=True)
 class Begun:
-    """A record whose handler is about to run: its context and when it began (for the watchdog)."""
+    """A record whose handler is about to run: its context and when it began (for the watchdog). A chunk's record
+    on the common path is the fetched one, its start by the wall clock read only if it fails (`started_ms` None);
+    every other is a SourceRecord."""
 
-    record: SourceRecord
+    record: SourceRecord | Fetched
     queue_name: str
     queue: QueueConfig
     handler: Handler
     ctx: HandlerContext
-    started_ms: int
+    started_ms: int | None
     began: float  # time.monotonic()
     sampled: bool  # traced (tracing on and the sampler says so): spans are built only then
     seconds: float = 0.0  # how long its handler ran, once it returned (a chunk's success: runners.py)
+
+    def source_record(self) -> SourceRecord:
+        """Its record as a SourceRecord (it failed, or is traced): made once, shared with its task's headers."""
+        headers = self.ctx.headers
+        return headers.record() if isinstance(headers, TaskHeaders) else source_record(self.record)
 
     def overdue(self, now: float) -> str | None:
         """Why its handler must be abandoned now: "silent" (no heartbeat for a whole lease: hung) or "timeout"
@@ -60,10 +67,10 @@ class Ran:
 @dataclass(slots=True)
 class Results:
     """A lane's records that ended since the loop last took them. The common end, a success of a chunk's record,
-    is a pair (its record, its handler's seconds), not an object of its own; every other end is a `Ran`."""
+    is a pair (its fetched record, its handler's seconds), not an object of its own; every other end is a `Ran`."""
 
     ran: list[Ran] = field(default_factory=list)
-    ok: list[tuple[SourceRecord, float]] = field(default_factory=list)
+    ok: list[tuple[Fetched, float]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ran) + len(self.ok)
@@ -74,7 +81,7 @@ class Results:
 
     def done_offsets(self) -> list[int]:
         """The records done now: every success (a failure is done once its task is stored)."""
-        return [record.offset for record, _ in self.ok] + [ran.record.offset for ran in self.ran if ran.task is None]
+        return [record.offset() for record, _ in self.ok] + [ran.record.offset for ran in self.ran if ran.task is None]
 
     def failures(self) -> list[Ran]:
         return [ran for ran in self.ran if ran.task is not None]

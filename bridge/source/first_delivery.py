@@ -43,7 +43,7 @@ from bridge.model import (
     new_task_id,
     order_key_of,
 )
-from bridge.records import SourceRecord, TaskHeaders
+from bridge.records import Fetched, SourceRecord, TaskHeaders, content_type_of
 from bridge.registry import Handler, Registry
 from bridge.source.ends import Begun, Plan, Ran, Results, Stored
 from bridge.store.database import StoreError
@@ -190,12 +190,13 @@ class FirstDelivery:
             return None
         return Plan(queue_name, queue, handler)
 
-    def begin(self, plan: Plan, record: SourceRecord) -> Begun:
-        """`prepare` for a record of a planned chunk (not a suspect: the runner asked)."""
-        ctx = HandlerContext(new_task_id, plan.queue_name, 1, 0, record.value, record.content_type,
-                             TaskHeaders(record, True))
-        return Begun(record, plan.queue_name, plan.queue, plan.handler, ctx, self.clock.now_ms(), ctx.last_beat,
-                     False)
+    @staticmethod
+    def begin(plan: Plan, record: Fetched) -> Begun:
+        """`prepare` for a fetched record of a planned chunk (not a suspect: the runner asked). No SourceRecord, and
+        no wall-clock read: both are made only if it fails (`ended`)."""
+        ctx = HandlerContext(new_task_id, plan.queue_name, 1, 0, record.value() or b"",
+                             content_type_of(record.headers()), TaskHeaders(record, True))
+        return Begun(record, plan.queue_name, plan.queue, plan.handler, ctx, None, ctx.last_beat, False)
 
     def run_sync(self, begun: Begun) -> Ran:
         """Run a sync handler here (a handler thread) and say what it became. Never raises."""
@@ -204,7 +205,8 @@ class FirstDelivery:
                 begun.handler.fn(begun.ctx)
             except Exception as e:
                 return self.ended(begun, outcome_of_exception(e, begun.queue.errors))
-            return Ran(begun.record, begun.queue_name, None, Outcome.SUCCESS, time.monotonic() - begun.began)
+            return Ran(begun.source_record(), begun.queue_name, None, Outcome.SUCCESS,
+                       time.monotonic() - begun.began)
         with self._spans(begun) as span:
             result = self._call_sync(begun)
             self._end_span(span, begun, result)
@@ -217,7 +219,8 @@ class FirstDelivery:
                 await begun.handler.fn(begun.ctx)  # type: ignore[misc]
             except Exception as e:
                 return self.ended(begun, outcome_of_exception(e, begun.queue.errors))
-            return Ran(begun.record, begun.queue_name, None, Outcome.SUCCESS, time.monotonic() - begun.began)
+            return Ran(begun.source_record(), begun.queue_name, None, Outcome.SUCCESS,
+                       time.monotonic() - begun.began)
         with self._spans(begun) as span:
             result = await self._call_async(begun)
             self._end_span(span, begun, result)
@@ -243,7 +246,7 @@ class FirstDelivery:
     def _spans(self, begun: Begun) -> Iterator[Any]:
         """The consume span and the attempt span under it (a sampled record's)."""
         telemetry, headers = self.telemetry, begun.ctx.headers
-        with telemetry.consume_span(begun.record, begun.queue_name, headers), \
+        with telemetry.consume_span(begun.source_record(), begun.queue_name, headers), \
                 telemetry.attempt_span(begun.ctx, begun.queue_name, 1, headers, inline=True) as span:
             yield span
 
@@ -268,11 +271,15 @@ class FirstDelivery:
 
     def ended(self, begun: Begun, result: RunOutcome) -> Ran:
         seconds = time.monotonic() - begun.began
+        record = begun.source_record()
         if result.ok:
-            return Ran(begun.record, begun.queue_name, None, result.outcome, seconds)
-        task = self._failed_task(begun.record, begun.queue_name, begun.queue, begun.ctx.headers, begun.ctx.task_id,
-                                 begun.handler.version, begun.started_ms, result)
-        return Ran(begun.record, begun.queue_name, ordered(task, begun.record, begun.queue), result.outcome, seconds)
+            return Ran(record, begun.queue_name, None, result.outcome, seconds)
+        started = begun.started_ms
+        if started is None:  # a planned record's: its start by the wall clock, from how long it ran
+            started = self.clock.now_ms() - int(seconds * 1000)
+        task = self._failed_task(record, begun.queue_name, begun.queue, begun.ctx.headers, begun.ctx.task_id,
+                                 begun.handler.version, started, result)
+        return Ran(record, begun.queue_name, ordered(task, record, begun.queue), result.outcome, seconds)
 
     def parked(self, record: SourceRecord, queue_name: str, queue: QueueConfig) -> NewTask:
         """A record of a key held back by an open task (ordering: key): stored PARKED behind it, its handler not

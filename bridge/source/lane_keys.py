@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from bridge.records import SourceRecord
+from bridge.records import Fetched
 from bridge.source.ends import Ran
 
 
 class LaneKeys:
     def __init__(self) -> None:
         self.running: set[bytes] = set()
-        self.waiting: dict[bytes, deque[SourceRecord]] = {}
+        self.waiting: dict[bytes, deque[Fetched]] = {}
         # blocked key → [generation (+1 at each task reported for it), tasks reported but not yet stored]
         self.blocked: dict[bytes, list[int]] = {}
         self.set_aside = 0  # records of a running key waiting aside
@@ -28,14 +28,14 @@ class LaneKeys:
         self.waiting.clear()
         self.set_aside = 0
 
-    def next_ready(self, ready: deque[SourceRecord]) -> tuple[SourceRecord, bool] | None:
+    def next_ready(self, ready: deque[Fetched]) -> tuple[Fetched, bool] | None:
         """`take` for one record (an async runner's): the record and whether it is to be parked."""
-        chunk: deque[SourceRecord] = deque()
+        chunk: deque[Fetched] = deque()
         parked: set[int] = set()
         self.take(ready, 1, chunk, parked)
         return (chunk[0], bool(parked)) if chunk else None
 
-    def take(self, ready: deque[SourceRecord], n: int, chunk: deque[SourceRecord], parked: set[int]) -> int:
+    def take(self, ready: deque[Fetched], n: int, chunk: deque[Fetched], parked: set[int]) -> int:
         """Up to n ready records into `chunk`, one a key, each key running from now; the offsets of those whose
         key is blocked (to be parked) into `parked`; records of a running key wait aside, in order. Their
         payload bytes.
@@ -48,7 +48,7 @@ class LaneKeys:
         taken = 0
         while ready and n:
             record = ready.popleft()
-            key = record.key
+            key = record.key()
             if key is not None:
                 entry = blocked.get(key)
                 if key in running or (entry is not None and entry[1] > 0):  # running, or a task on its way
@@ -57,9 +57,9 @@ class LaneKeys:
                     continue
                 running.add(key)
                 if entry is not None:
-                    parked.add(record.offset)
+                    parked.add(record.offset())
             chunk.append(record)
-            taken += len(record.value)
+            taken += len(record)
             n -= 1
         return taken
 
@@ -79,7 +79,7 @@ class LaneKeys:
             if entry is not None and entry[0] == gen and entry[1] == 0:
                 del self.blocked[key]
 
-    def stored(self, keys: list[bytes | None], ready: deque[SourceRecord]) -> bool:
+    def stored(self, keys: list[bytes | None], ready: deque[Fetched]) -> bool:
         """Tasks reported for these keys are in the store now (or were put back to run again). True when a
         waiting record came back to the front."""
         back = False
@@ -92,7 +92,7 @@ class LaneKeys:
                 back = self.next_of(key, ready) or back
         return back
 
-    def next_of(self, key: bytes, ready: deque[SourceRecord]) -> bool:
+    def next_of(self, key: bytes, ready: deque[Fetched]) -> bool:
         """The key's next waiting record back to the front; False when none waits."""
         waiting = self.waiting.get(key)
         if not waiting:
@@ -103,26 +103,27 @@ class LaneKeys:
             del self.waiting[key]
         return True
 
-    def handed_back(self, record: SourceRecord) -> None:
+    def handed_back(self, record: Fetched) -> None:
         """A record taken and not started is back at the front of the lane: its key is not running (the key's
         records aside stay there, behind it)."""
-        if record.key is not None:
-            self.running.discard(record.key)
+        key = record.key()
+        if key is not None:
+            self.running.discard(key)
 
-    def succeeded(self, ok: list[tuple[SourceRecord, float]], ready: deque[SourceRecord]) -> bool:
+    def succeeded(self, ok: list[tuple[Fetched, float]], ready: deque[Fetched]) -> bool:
         """Records that succeeded (a chunk's, with their seconds): their keys are free, each key's next waiting
         record back to the front. True when one came back."""
         running, waiting = self.running, self.waiting
         back = False
         for record, _ in ok:
-            key = record.key
+            key = record.key()
             if key is not None:
                 running.discard(key)
                 if waiting and key in waiting:
                     back = self.next_of(key, ready) or back
         return back
 
-    def ended(self, ran: Ran, ready: deque[SourceRecord]) -> bool:
+    def ended(self, ran: Ran, ready: deque[Fetched]) -> bool:
         """A record ended: its key is free to run its next record, blocked if the record became a task. True
         when a waiting record came back to the front."""
         key = ran.record.key

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 
 from bridge.engine.threads import HandlerThreads
-from bridge.records import TP, SourceRecord
+from bridge.records import TP, Fetched, SourceRecord
 from bridge.source.chunks import ChunkedRunners
 from bridge.source.ends import Ran, Results
 from bridge.source.first_delivery import FirstDelivery
@@ -47,7 +47,7 @@ class Lane(ChunkedRunners):
         self.queue_name = queue_name
         self.delivery = delivery
         self.limit = max(1, limit)
-        self.ready: deque[SourceRecord] = deque()
+        self.ready: deque[Fetched] = deque()  # as fetched: a record becomes a SourceRecord only when it must
         self.ready_bytes = 0  # payload bytes of `ready` and set aside (the consumer pauses past its share)
         # Set by the consumer (store unwritable, restoring, queue paused or at max_open_tasks): runners take no
         # more records; those running finish.
@@ -68,7 +68,7 @@ class Lane(ChunkedRunners):
         self._runners: set[Runner] = set()
         self._starting = 0
         self._results: list[Ran] = []
-        self._ok: list[tuple[SourceRecord, float]] = []  # chunks' successes (record, seconds): Results.ok
+        self._ok: list[tuple[Fetched, float]] = []  # chunks' successes (record, seconds): Results.ok
         self._wake_pending = False
         self.chunk_size = 1
         # ordering: key. Keys are the record key bytes (a lane is one partition). Under `_lock`.
@@ -79,8 +79,8 @@ class Lane(ChunkedRunners):
 
     # ---- on the loop ---------------------------------------------------------------------------------------
 
-    def add(self, records: list[SourceRecord]) -> None:
-        size = sum([len(r.value) for r in records])
+    def add(self, records: list[Fetched]) -> None:
+        size = sum([len(r) for r in records])
         with self._lock:
             self.ready.extend(records)
             self.ready_bytes += size
@@ -89,7 +89,7 @@ class Lane(ChunkedRunners):
     def put_back(self, records: list[SourceRecord]) -> None:
         """Records to run again (their failure could not be stored), ahead of the others."""
         with self._lock:
-            self.ready.extendleft(reversed(records))
+            self.ready.extendleft(reversed([r.fetched() for r in records]))
             self.ready_bytes += sum([len(r.value) for r in records])
         self.dispatch()
 
@@ -207,11 +207,11 @@ class Lane(ChunkedRunners):
         with self._lock:
             self._runners.discard(runner)
 
-    def next_record(self, runner: Runner) -> SourceRecord | None:
+    def next_record(self, runner: Runner) -> Fetched | None:
         with self._lock:
             return self._take_next(runner)
 
-    def _take_next(self, runner: Runner) -> SourceRecord | None:
+    def _take_next(self, runner: Runner) -> Fetched | None:
         """(Under the lock.) The runner's next record; None: it is done (let go, held, nothing ready)."""
         if runner.abandoned or self.held or not self.ready:
             self._runners.discard(runner)
@@ -219,17 +219,17 @@ class Lane(ChunkedRunners):
         if self.ordered:
             return self._next_in_order(runner)
         record = self.ready.popleft()
-        self.ready_bytes -= len(record.value)
+        self.ready_bytes -= len(record)
         return record
 
-    def _next_in_order(self, runner: Runner) -> SourceRecord | None:
+    def _next_in_order(self, runner: Runner) -> Fetched | None:
         """(Under the lock.) The first ready record whose key is not running (`runner.park`: its key is blocked)."""
         found = self._keys.next_ready(self.ready)
         if found is None:
             self._runners.discard(runner)
             return None
         record, runner.park = found
-        self.ready_bytes -= len(record.value)
+        self.ready_bytes -= len(record)
         return record
 
     # ---- ordering: key (the state: lane_keys.py) -----------------------------------------------------------
@@ -294,7 +294,7 @@ class Lane(ChunkedRunners):
         elif back:
             self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
-    def report_and_next(self, runner: Runner, ran: Ran) -> SourceRecord | None:
+    def report_and_next(self, runner: Runner, ran: Ran) -> Fetched | None:
         """An async runner's record ended: report it and take the next one, under one lock. None: nothing more
         for this runner — or the watchdog abandoned the record and reported it already."""
         if ran.task is not None:

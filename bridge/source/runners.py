@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from bridge.engine.runner import outcome_of_exception
-from bridge.records import SourceRecord
+from bridge.records import Fetched, SourceRecord, source_record
 from bridge.source.ends import Begun, Plan, Ran
 from bridge.source.first_delivery import FirstDelivery
 
@@ -56,10 +56,10 @@ class Runner:
 
     def __init__(self) -> None:
         self.claim: list[Begun] = []
-        self.chunk: deque[SourceRecord] = deque()  # taken from the lane, not started: given back when it stalls
+        self.chunk: deque[Fetched] = deque()  # taken from the lane, not started: given back when it stalls
         # The chunk's successes (record, seconds) not reported yet: the runner's report takes them, or the
         # watchdog's when the runner stalls on a record (they are done: the commit may pass them).
-        self.done: deque[tuple[SourceRecord, float]] = deque()
+        self.done: deque[tuple[Fetched, float]] = deque()
         self.park = False  # the record just taken is parked, not run (its key is blocked): an async runner's
         self.parked: set[int] = set()  # ordering: key — the chunk's records to park (offsets), not to run
         self.abandoned = False
@@ -96,8 +96,8 @@ class RunnersLane(Protocol):
 
     def is_suspect(self, offset: int) -> bool: ...
     def runner_started(self) -> None: ...
-    def next_record(self, runner: Runner) -> SourceRecord | None: ...
-    def report_and_next(self, runner: Runner, ran: Ran) -> SourceRecord | None: ...
+    def next_record(self, runner: Runner) -> Fetched | None: ...
+    def report_and_next(self, runner: Runner, ran: Ran) -> Fetched | None: ...
     def parked(self, record: SourceRecord) -> Ran: ...
     def maybe_second_runner(self) -> None: ...
     def runner_ended(self, runner: Runner) -> None: ...
@@ -109,17 +109,18 @@ class RunnersLane(Protocol):
     def report_chunk(self, runner: Runner, slow: bool, fast: bool) -> bool: ...
 
 
-def _next_to_run(lane: RunnersLane, runner: Runner, record: SourceRecord | None) -> Begun | None:
-    """From `record` on, the first record whose handler is to run; those parked behind their key or becoming a
+def _next_to_run(lane: RunnersLane, runner: Runner, fetched: Fetched | None) -> Begun | None:
+    """From `fetched` on, the first record whose handler is to run; those parked behind their key or becoming a
     task at once (a suspect, no handler here) are reported on the way. None: nothing more for this runner."""
-    while record is not None:
+    while fetched is not None:
+        record = source_record(fetched)
         if runner.park:
-            record = lane.report_and_next(runner, lane.parked(record))
+            fetched = lane.report_and_next(runner, lane.parked(record))
             continue
         prepared = lane.delivery.prepare(record, lane.queue_name, lane.is_suspect(record.offset))
         if isinstance(prepared, Begun):
             return prepared
-        record = lane.report_and_next(runner, Ran(record, lane.queue_name, prepared))
+        fetched = lane.report_and_next(runner, Ran(record, lane.queue_name, prepared))
     return None
 
 
@@ -133,9 +134,10 @@ def drain_sync(lane: RunnersLane, runner: Runner) -> None:
 
 
 def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
-    """Chunks of records, each taken and its successes reported under one lock: a success is its record and its
-    seconds, no lock and no `Ran` of its own. A record that does not succeed is reported at once; a record that
-    waits hands the rest of the chunk back (the watchdog hands back the chunk of a runner stalled on a record).
+    """Chunks of records, each taken and its successes reported under one lock: a success is its fetched record
+    and its seconds, no lock, no SourceRecord and no `Ran` of its own. A record that does not succeed is reported
+    at once; a record that waits hands the rest of the chunk back (the watchdog hands back the chunk of a runner
+    stalled on a record).
     ordering: key — a chunk holds one record of a key at most (chunks.py); one whose key is blocked is parked."""
     delivery, queue_name = lane.delivery, lane.queue_name
     chunk, done, parked = runner.chunk, runner.done, runner.parked
@@ -146,22 +148,16 @@ def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
         fast, slow = True, False
         while not (runner.abandoned or lane.held):
             try:
-                record = chunk.popleft()
+                fetched = chunk.popleft()
             except IndexError:  # done, or handed back by the watchdog
                 break
-            if parked and record.offset in parked:
-                lane.report_one(runner, lane.parked(record))
-                continue
-            suspect = lane.is_suspect(record.offset)
-            planned = None if suspect else plan
-            if planned is None:
-                prepared = delivery.prepare(record, queue_name, suspect)
-                if not isinstance(prepared, Begun):  # a task at once: nothing runs
-                    lane.report_one(runner, Ran(record, queue_name, prepared))
+            offset = fetched.offset()
+            if plan is None or offset in parked or lane.is_suspect(offset):
+                planned, begun = None, _prepared(lane, runner, fetched)
+                if begun is None:
                     continue
-                begun = prepared
-            else:
-                begun = delivery.begin(planned, record)
+            else:  # the common path: the fetched record as it is
+                planned, begun = plan, delivery.begin(plan, fetched)
             runner.current = begun
             cpu = time.thread_time() if streak else 0.0  # a fast handler never pays for this clock
             ran = delivery.run_sync(begun) if planned is None else _run_planned(delivery, planned, begun)
@@ -170,7 +166,7 @@ def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
                 lane.report_chunk(runner, False, False)  # the watchdog reported this record
                 return
             if ran is None:
-                done.append((record, took))
+                done.append((fetched, took))
             else:
                 lane.report_one(runner, ran)
             if took >= _SLOW:
@@ -182,6 +178,20 @@ def drain_chunks(lane: RunnersLane, runner: Runner) -> None:
             else:
                 streak = 0
         more = lane.report_chunk(runner, slow, fast)
+
+
+def _prepared(lane: RunnersLane, runner: Runner, fetched: Fetched) -> Begun | None:
+    """A chunk's record off the common path, as a SourceRecord: parked behind its key, or a task at once (a
+    suspect, no handler here) — reported here, None — or its handler to run `prepare`'s way (tracing, async)."""
+    record = source_record(fetched)
+    if record.offset in runner.parked:
+        lane.report_one(runner, lane.parked(record))
+        return None
+    prepared = lane.delivery.prepare(record, lane.queue_name, lane.is_suspect(record.offset))
+    if not isinstance(prepared, Begun):  # a task at once: nothing runs
+        lane.report_one(runner, Ran(record, lane.queue_name, prepared))
+        return None
+    return prepared
 
 
 def _run_planned(delivery: FirstDelivery, plan: Plan, begun: Begun) -> Ran | None:
