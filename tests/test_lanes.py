@@ -22,9 +22,10 @@ from bridge.live_config import LiveConfig
 from bridge.model import Outcome, Status
 from bridge.records import Fetched, SourceRecord
 from bridge.registry import Registry
-from bridge.source.ends import Ran, Results
+from bridge.source.ends import Begun, Ran, Results
 from bridge.source.first_delivery import FirstDelivery
 from bridge.source.lanes import Lane
+from bridge.source.runners import Runner
 from bridge.store.tasks import Store
 from tests.helpers import engine_config, eventually
 
@@ -615,3 +616,33 @@ async def test_a_success_on_the_common_path_makes_no_source_record_and_a_failure
     assert task.headers["rdq.source"] == "kafka://t/0/7" and task.headers["rdq.kafka.key"] == "azc="
     assert task.first_attempt is not None
     assert before * 1000 - 5 <= task.first_attempt.started_at <= task.first_attempt.finished_at
+
+
+async def test_the_watchdog_never_abandons_the_record_a_runner_began_after_the_overdue_one_ended(rig: Rig) -> None:
+    """The watchdog reads a runner's record, finds it overdue and ends it — while the runner, on its own thread and
+    without the lane's lock, may end that record and begin the next one in between. The watchdog must end only
+    the record it found overdue: here the runner ends A and begins B right as A is judged (between the read and
+    the end), so the watchdog ends nothing; B stays the runner's, A is the runner's success to report."""
+    lane = await rig.lane(lambda ctx: None)
+    plan = lane.delivery.plan("q")
+    assert plan is not None
+    runner = Runner()
+
+    class OverdueA(Begun):
+        __slots__ = ()
+
+        def overdue(self, now: float) -> str | None:
+            assert runner.end()  # the runner's handler returned: A is the runner's to report...
+            runner.current = b  # ...and it began B
+            return "silent"  # A was overdue when the watchdog looked
+
+    first, second = records(2)
+    a = FirstDelivery.begin(plan, first)
+    a = OverdueA(a.record, a.queue_name, a.queue, a.handler, a.ctx, None, a.began, False)
+    b = FirstDelivery.begin(plan, second)
+    runner.current = a
+    lane._runners.add(runner)
+    lane.watch(time.monotonic())
+    await asyncio.sleep(0.05)
+    assert rig.results == []  # nothing abandoned: A ended as the runner's success, not the watchdog's failure
+    assert not runner.abandoned and runner.current is b and runner.end()  # B is still the runner's to end

@@ -137,11 +137,12 @@ class Lane(ChunkedRunners):
         with self._lock:
             overdue = []
             for runner in self._runners:
-                begun = runner.current
-                if begun is None or runner.abandoned:
+                running = runner.running()
+                if running is None or runner.abandoned:
                     continue
+                claim, begun = running
                 why = begun.overdue(now)
-                if why is not None and runner.end():  # else it returned just now: the runner reports it
+                if why is not None and Runner.abandon(claim):  # else it returned just now: the runner reports it
                     runner.abandoned = True
                     overdue.append((runner, begun, why))
                 if why is not None or now - begun.began >= _STALLED:

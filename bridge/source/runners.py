@@ -78,6 +78,24 @@ class Runner:
     def current(self, begun: Begun | None) -> None:
         self.claim = [] if begun is None else [begun]
 
+    def running(self) -> tuple[list[Begun], Begun] | None:
+        """The record running now and its claim, read once: the runner may end it and begin the next meanwhile (a
+        new claim), so the watchdog ends the claim it read (`abandon`), never the next record's."""
+        claim = self.claim
+        try:
+            return (claim, claim[0]) if claim else None
+        except IndexError:  # ended between the two reads
+            return None
+
+    @staticmethod
+    def abandon(claim: list[Begun]) -> bool:
+        """The watchdog ends the record of this claim: True if the runner had not ended it first."""
+        try:
+            claim.pop()
+            return True
+        except IndexError:
+            return False
+
     def end(self) -> bool:
         """The runner's record returned: True if it is the runner's to report (the watchdog did not abandon it)."""
         try:
