@@ -632,6 +632,7 @@ def settle(run: Run, config: BridgeConfig, example: Path, downstream: Downstream
 def _settle_loop(run: Run, config: BridgeConfig, example: Path, group: list[BridgeProcess], deadline: float,
                  drained: list[float]) -> float | None:
     next_redrive = 0.0
+    rounds = 0
     while time.monotonic() < deadline:
         if time.monotonic() >= next_redrive:
             if not run.imported:
@@ -641,8 +642,9 @@ def _settle_loop(run: Run, config: BridgeConfig, example: Path, group: list[Brid
             for error in ("NotDeployed", "DataException"):
                 rdq(group[0].path, "redrive", "--queue", "mixed", "--error-type", error, "--rate", "500")
             next_redrive = time.monotonic() + 15
-        if drained and _accounted_now(run, config, example):
+        if drained and _accounted_now(run, config, example, say=rounds >= _SAY_AFTER):
             return drained[0]
+        rounds += 1
         time.sleep(3)
     return drained[0] if drained else None
 
@@ -657,30 +659,51 @@ def _pay_drained(run: Run, downstream: Downstream, pay_total: int) -> bool:
         return False
 
 
-def _accounted_now(run: Run, config: BridgeConfig, example: Path) -> bool:
-    """`_accounted`, or not yet when the checker's own client failed (a busy 2-core machine: a metadata request of
-    the checker timed out once); the bridges are judged by what they wrote, not by the checker's luck."""
+# A settle still waiting after this many rounds (~3 s each, plus the checks) says what it waits for, each round.
+_SAY_AFTER = 10
+
+
+def _accounted_now(run: Run, config: BridgeConfig, example: Path, say: bool = False) -> bool:
+    """`_unaccounted` is empty, or not yet when the checker's own client failed (a busy 2-core machine: a metadata
+    request of the checker timed out once); the bridges are judged by what they wrote, not by the checker's luck.
+    `say`: log what is still not accounted for (a settle that takes long can be read afterwards)."""
     from confluent_kafka import KafkaException
 
     try:
-        return _accounted(run, config, example)
+        missing = _unaccounted(run, config, example)
     except KafkaException as e:
         log(f"checker: {e} (asking again)")
         return False
+    if missing and say:
+        log(f"settle: still waiting for {'; '.join(missing)}")
+    return not missing
 
 
 def _dead(run: Run, queue: str) -> int:
     return len({r.source for r in read_dlq(run.bootstrap, run.dlq(queue), settle=0.5, timeout=10)})
 
 
-def _accounted(run: Run, config: BridgeConfig, example: Path) -> bool:
+def _unaccounted(run: Run, config: BridgeConfig, example: Path) -> list[str]:
+    """What is not accounted for yet (empty: every record is): mixed records handled, or dead-lettered unless
+    fixable; the 40 imported legacy records handled; every poison record in its DLQ; no task left open."""
     lines = {line["source"] for line in example_log(example)}
-    fixable = [s for s, k in run.kinds.items() if k == "fixable"]
+    missing = []
+    mixed = [s for s in run.kinds if s not in lines]
+    if mixed:
+        mixed_dead = {r.source for r in read_dlq(run.bootstrap, run.dlq("mixed"), settle=0.5, timeout=10)}
+        mixed = [s for s in mixed if s not in mixed_dead or run.kinds[s] == "fixable"]
+    if mixed:
+        missing.append(f"mixed: {len(mixed)} records neither handled nor dead-lettered as they should be "
+                       f"(first {mixed[0]}, {run.kinds[mixed[0]]})")
     legacy = [s for s in lines if s.startswith(f"kafka://legacy-{run.unique}/")]
-    mixed_dead = {r.source for r in read_dlq(run.bootstrap, run.dlq("mixed"), settle=0.5, timeout=10)}
-    mixed_done = all(s in lines or (s in mixed_dead and run.kinds[s] != "fixable") for s in run.kinds)
-    poison = _count(config, run.topic("poison")) <= _dead(run, "poison")
-    return mixed_done and all(s in lines for s in fixable) and len(legacy) == 40 and poison and open_tasks(run) == 0
+    if len(legacy) != 40:
+        missing.append(f"legacy: {len(legacy)} of 40 imported records handled")
+    poison, dead = _count(config, run.topic("poison")), _dead(run, "poison")
+    if dead < poison:
+        missing.append(f"poison: {dead} of {poison} records in its DLQ")
+    if (left := open_tasks(run)) != 0:
+        missing.append(f"{left} tasks open in the stores")
+    return missing
 
 
 def _topic(run: Run, name: str) -> None:
