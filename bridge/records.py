@@ -178,9 +178,6 @@ class FetchedRecord:
         ts = self.record.timestamp
         return (0, 0) if ts is None else (1, ts)  # (TIMESTAMP_NOT_AVAILABLE, 0) or (TIMESTAMP_CREATE_TIME, ts)
 
-    def error(self) -> None:
-        return None
-
     def __len__(self) -> int:
         return len(self.record.value)
 

@@ -646,3 +646,18 @@ async def test_the_watchdog_never_abandons_the_record_a_runner_began_after_the_o
     await asyncio.sleep(0.05)
     assert rig.results == []  # nothing abandoned: A ended as the runner's success, not the watchdog's failure
     assert not runner.abandoned and runner.current is b and runner.end()  # B is still the runner's to end
+
+
+async def test_records_put_back_run_again_ahead_of_the_others_and_their_bytes_are_counted(rig: Rig) -> None:
+    """A batch whose failures could not be stored is put back (the consumer's `_store_failures`): its records, as
+    SourceRecords, go back in front of the lane in their order, counted in the lane's bytes, and run again."""
+    seen: list[int] = []
+    lane = await rig.lane(lambda ctx: seen.append(int(ctx.source.rsplit("/", 1)[1])))
+    lane.held = True
+    lane.add([SourceRecord("t", 0, i, None, b"x" * 10, None, ()).fetched() for i in range(5, 8)])
+    lane.put_back([SourceRecord("t", 0, i, b"k", b"y" * 7, 1_700_000_000_000, (("h", b"\xff"),)) for i in (1, 3)])
+    assert lane.ready_bytes == 3 * 10 + 2 * 7
+    lane.held = False
+    lane.dispatch()
+    assert await eventually(lambda: len(rig.results) == 5)
+    assert seen == [1, 3, 5, 6, 7] and lane.ready_bytes == 0

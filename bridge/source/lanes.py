@@ -88,9 +88,10 @@ class Lane(ChunkedRunners):
 
     def put_back(self, records: list[SourceRecord]) -> None:
         """Records to run again (their failure could not be stored), ahead of the others."""
+        fetched = [r.fetched() for r in records]
         with self._lock:
-            self.ready.extendleft(reversed([r.fetched() for r in records]))
-            self.ready_bytes += sum([len(r.value) for r in records])
+            self.ready.extendleft(reversed(fetched))
+            self.ready_bytes += sum([len(r) for r in fetched])
         self.dispatch()
 
     def dispatch(self) -> None:

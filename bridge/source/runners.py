@@ -68,11 +68,8 @@ class Runner:
 
     @property
     def current(self) -> Begun | None:
-        claim = self.claim
-        try:
-            return claim[0] if claim else None
-        except IndexError:  # ended between the two reads
-            return None
+        running = self.running()
+        return None if running is None else running[1]
 
     @current.setter
     def current(self, begun: Begun | None) -> None:
