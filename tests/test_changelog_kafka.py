@@ -405,6 +405,75 @@ async def test_a_stale_group_generation_cannot_commit_a_changelog_transaction(ka
         await store.close()
 
 
+class _SlowMarks(LocalIndex):
+    """The real index; once `slow`, its "logged" marks reach the store only when `gate` is set (a store writer
+    behind)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.slow = False
+        self.gate = asyncio.Event()
+        self._later: list[asyncio.Task[None]] = []
+
+    def mark_logged_soon(self, entries: Any) -> asyncio.Future[None]:
+        if not self.slow:
+            return super().mark_logged_soon(entries)
+        entries, marked = list(entries), asyncio.get_running_loop().create_future()
+
+        async def later() -> None:
+            await self.gate.wait()
+            await LocalIndex.mark_logged_soon(self, entries)
+            marked.set_result(None)
+
+        self._later.append(asyncio.create_task(later()))
+        return marked
+
+
+async def test_a_flush_ends_the_waits_its_marks_settle_and_commits_past_them(kafka: Any, tmp_path: Path) -> None:
+    """A failure's task is logged by a round before its record's wait for it is added, and its mark is still
+    queued when the next round asks the store: that wait is left for a later round. A flush (a hand-over) that
+    did not end it once the marks settled said "committed" with the record not done: the commit stayed below it,
+    and the next owner ran every record after it again (the scale-down run on CI: 53 duplicate successes)."""
+    unique = uuid.uuid4().hex[:10]
+    config = config_for(kafka, tmp_path, unique, partitions=1)
+    ensure_topics(config)
+    topic, changelog = f"in-{unique}", config.changelog_topic(f"in-{unique}")
+    member = make_consumer(config)
+    member.subscribe([topic])
+    wait_until_sync(lambda: member.poll(0.2) is None and bool(member.assignment()), 60, "assignment")
+    store = await Store.open(tmp_path / "rdq.db", scoped=True)
+    local = _SlowMarks(store)
+    positions = {(topic, 0): 0}
+    writer = ChangelogWriter(local, {topic: changelog}, lambda: make_changelog_producer(config, 1_000_000),
+                             lambda: dict(positions), member.consumer_group_metadata, _Clock(), interval=3600)
+    stop = asyncio.Event()
+    running = asyncio.create_task(writer.run(stop))
+    try:
+        await local.set_changelogged([topic])
+        await local.set_home((topic, 0), HomeState.ACTIVE)
+        task = failure()
+        task = type(task)(**{**task.__dict__, "headers": {**task.headers, "rdq.source": f"kafka://{topic}/0/0"}})
+        await wait_until(lambda: writer._producer is not None, within=60, what="the changelog producer")
+        written = time.monotonic()
+        await store.submit(task)
+        local.slow = True
+        assert await writer._one_round()  # logs the task; its mark waits behind the gate
+        writer.when_logged(task.id, lambda: positions.update({(topic, 0): 1}), written)  # the record is done
+        asyncio.get_running_loop().call_later(0.3, local.gate.set)
+        assert await writer.flush()
+        assert positions == {(topic, 0): 1}  # the wait ended within the flush...
+        committed = member.committed([TopicPartition(topic, 0)], timeout=10)
+        assert committed[0].offset == 1  # ...and the offset past the record committed by it
+    finally:
+        local.gate.set()
+        stop.set()
+        writer._kick.set()  # its rounds wait for a kick (no interval here)
+        await running
+        await writer.close()
+        member.close()
+        await store.close()
+
+
 async def test_a_dlq_record_whose_task_left_with_its_partition_is_not_published(kafka: Any, tmp_path: Path) -> None:
     """After a loss (no assignment: no group metadata, no offsets) a DLQ record still queued for a task this
     instance dropped went out in a transaction with nothing to fence it — the new owner restored the task and

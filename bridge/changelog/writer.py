@@ -69,7 +69,6 @@ class ChangelogWriter:
         self._fence = Fenced(topics, group_metadata, writable)
         self._producer: Producer | None = None
         self._calls = ProducerCalls("rdq-changelog")
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._dlq: list[DlqItem] = []
         self._holds = Holds()  # sent, their marks not committed yet: not read again meanwhile
         self._waiters = LoggedWaiters(local, self._holds.holds)
@@ -134,19 +133,15 @@ class ChangelogWriter:
             if not await self._one_round():
                 return False
             await self._holds.settled()
+            async with self._round_lock:  # not while a round asks: it would leave them waiting again
+                await self._waiters.resolve_held()
             if not await self.local.outbox(1) and self._offsets() == self._last_offsets:
                 return True
         return False
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
-    async def _call(self, within: float, fn: Callable[..., Any], *args: Any) -> Any:
-        """`within`: the timeout `fn` was given; past it (and a margin) the call is abandoned (calls.py)."""
-        assert self._loop is not None
-        return await self._calls.call(within, fn, *args)
-
     async def run(self, stop: asyncio.Event) -> None:
-        self._loop = asyncio.get_running_loop()
         self._stop = stop
         await self._start_producer(stop)
         # Returns on stop; the producer and its thread stay for the consumer's last hand-over (close() after).
@@ -173,7 +168,7 @@ class ChangelogWriter:
         while True:
             try:
                 producer = self._producer_factory()
-                await self._call(30.0, producer.init_transactions, 30.0)
+                await self._calls.call(30.0, producer.init_transactions, 30.0)
                 self._producer = producer
                 await self._push_premigration()
                 return
@@ -193,9 +188,9 @@ class ChangelogWriter:
         while entries := await self.local.premigration(_BATCH):
             work = Round(entries=entries)
             try:
-                await self._call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, [])
-                await self._call(CALL_TIMEOUT, self._fence.send, self._producer, work, True)
-                await self._call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
+                await self._calls.call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, [])
+                await self._calls.call(CALL_TIMEOUT, self._fence.send, self._producer, work, True)
+                await self._calls.call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
             except KafkaException as e:
                 await self._abort_or_restart(e.args[0] if e.args else e)
                 log.error("cannot write the tasks stored before the changelog to it yet (kept, retried at the "
@@ -242,7 +237,7 @@ class ChangelogWriter:
         assert self._producer is not None
         began = time.monotonic()
         try:
-            await self._call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, work.dlq)
+            await self._calls.call(CALL_TIMEOUT, self._fence.begin_and_send_dlq, self._producer, work.dlq)
             for item in work.dlq:
                 if item.delivered is not None and item.home is not None and item.home[0] in self.topics:
                     entry = await self.local.snapshot_published(item.task_id, item.topic, *item.delivered,
@@ -254,9 +249,9 @@ class ChangelogWriter:
                                                                             "here: its partition moved"))
                     work.dlq_entries.append(entry)
             sent = time.monotonic()
-            await self._call(CALL_TIMEOUT, self._fence.send, self._producer, work)
+            await self._calls.call(CALL_TIMEOUT, self._fence.send, self._producer, work)
             committing = time.monotonic()
-            await self._call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
+            await self._calls.call(COMMIT_PATIENCE + CALL_TIMEOUT, commit, self._producer)
             if time.monotonic() - sent > 1.0:
                 log.warning("slow changelog transaction: records and offsets %.2fs, commit %.2fs",
                             committing - sent, time.monotonic() - committing)
@@ -325,7 +320,7 @@ class ChangelogWriter:
         wedged = isinstance(error, KafkaError) and error.code() == KafkaError._CONFLICT
         if not fatal and not wedged:
             try:
-                await self._call(30.0, self._producer.abort_transaction, 30.0)
+                await self._calls.call(30.0, self._producer.abort_transaction, 30.0)
                 self._abort_failures = 0
                 if self._round_failures < _ROUND_TRIES:
                     return
