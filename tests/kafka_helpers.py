@@ -67,9 +67,22 @@ class DlqRecord:
         return self.headers["rdq.source"].decode()
 
 
+def _fetching(consumer: Consumer, topic: str) -> bool:
+    """The consumer has its partitions and a fetch answer for each (their cached watermarks are known): what
+    they held is arriving. Or the topic is not there at all (nothing to wait for)."""
+    assigned = consumer.assignment()
+    if not assigned:
+        metadata = consumer.list_topics(topic, timeout=10).topics.get(topic)
+        return metadata is None or metadata.error is not None
+    return all(consumer.get_watermark_offsets(tp, cached=True)[1] >= 0 for tp in assigned)
+
+
 def read_topic(bootstrap: str, topic: str, settle: float = 2.0, timeout: float = 60.0,
                expect: int | None = None) -> list[Any]:
-    """Every record of `topic` from the beginning: until `expect` are read, or nothing new for `settle` s."""
+    """Every record of `topic` from the beginning: until `expect` are read, or nothing new for `settle` s once
+    the consumer fetches (its group's join and first offset lookup can take longer than `settle`: counted from
+    the start, a short settle read nothing — the nemesis waited 4 minutes for a DLQ that held every poison pill).
+    """
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
                          "auto.offset.reset": "earliest", "enable.auto.commit": False,
                          "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024})
@@ -81,7 +94,7 @@ def read_topic(bootstrap: str, topic: str, settle: float = 2.0, timeout: float =
         while time.monotonic() < deadline:
             got = [m for m in consumer.consume(500, 0.5) if m.error() is None]
             out += got
-            if got:
+            if got or not _fetching(consumer, topic):
                 quiet_since = time.monotonic()
             if expect is not None and len(out) >= expect and time.monotonic() - quiet_since > 0.5:
                 break

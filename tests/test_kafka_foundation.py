@@ -80,3 +80,30 @@ def test_librdkafka_logs_go_through_python_logging_not_raw_stderr(capfd: pytest.
     raw = capfd.readouterr().err
     assert "|FAIL|" not in raw and "%3|" not in raw, raw[:500]
     assert any(r.name == "rdq.kafka" and "Connection refused" in r.getMessage() for r in caplog.records)
+
+
+def test_the_test_reader_reads_every_record_however_short_its_settle(bridge_config: BridgeConfig) -> None:
+    """tests' `read_topic` (and `read_dlq`, the fault suite's DLQ check) stops once nothing new came for `settle`
+    seconds. Counted from its start, a settle shorter than its group's join and first fetch read nothing (the
+    nemesis waited 4 minutes for 7 poison pills that were in their DLQ; here: 48 partitions, 0 of 7 read);
+    counted once every partition's first fetch answered, it reads them all. A topic that is not there reads as
+    empty, without waiting."""
+    import uuid
+
+    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+    from tests.kafka_helpers import read_topic
+
+    topic = f"reader-{uuid.uuid4().hex[:10]}"
+    admin = make_admin(bridge_config)
+    for future in admin.create_topics([NewTopic(topic, 48, 1)]).values():
+        future.result(30)
+    producer = make_producer(bridge_config)
+    for i in range(7):
+        producer.produce(topic, value=b"{}", key=f"k{i}".encode())
+    assert producer.flush(30) == 0
+    bootstrap = bridge_config.kafka.bootstrap_servers
+    assert len(read_topic(bootstrap, topic, settle=0.1, timeout=30)) == 7
+    began = time.monotonic()
+    assert read_topic(bootstrap, f"{topic}-not-there", settle=0.1, timeout=30) == []
+    assert time.monotonic() - began < 10
