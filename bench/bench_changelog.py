@@ -41,6 +41,7 @@ from bridge.changelog.restore import Restorer
 from bridge.config import BridgeConfig
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics, make_restore_consumer
+from bridge.memory import tune_gc
 from bridge.registry import Registry
 from bridge.service import Bridge
 from bridge.store.tasks import Store
@@ -391,6 +392,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--partitions", type=int, default=1, help="restore: the tasks spread over this many")
     args = parser.parse_args()
+    tune_gc()  # the bridges run in this process: set up as `rdq run` sets up its own (production defaults)
     if args.which in ("decode", "all"):  # no broker needed
         bench_decode(args.n or 20_000)
     if args.which in ("apply", "all"):

@@ -43,6 +43,7 @@ from bridge.dlq.publisher import DlqPublisher
 from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import FETCH_QUEUE_BACKOFF_MS, ensure_topics, make_admin, make_dlq_producer
 from bridge.live_config import LiveConfig
+from bridge.memory import tune_gc
 from bridge.model import Attempt, ErrorInfo, NewTask, Outcome, Status, new_task_id
 from bridge.records import SourceRecord, TaskHeaders
 from bridge.registry import REGISTRY, Registry
@@ -739,6 +740,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3, help="runs per figure (min/median/max reported)")
     args = parser.parse_args()
+    tune_gc()  # the bridges run in this process: set up as `rdq run` sets up its own (production defaults)
     with broker() as bootstrap:
         if args.which in ("happy", "all"):
             asyncio.run(bench_happy(bootstrap, args.n or 100_000, args.runs))

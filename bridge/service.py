@@ -47,6 +47,7 @@ from bridge.kafka_clients import (
 )
 from bridge.live_config import LiveConfig
 from bridge.logs import tag_child
+from bridge.memory import tune_gc
 from bridge.model import new_task_id
 from bridge.registry import Registry, load_handler_modules
 from bridge.source.consumer import SourceConsumer
@@ -241,6 +242,7 @@ async def changelog_topics(config: BridgeConfig, stop: asyncio.Event) -> dict[st
 
 async def serve(config: BridgeConfig, config_path: Path | None = None, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
+    tune_gc()  # this process is a bridge's own (`rdq run`, a child of the supervisor)
     registry = load_handler_modules(config.engine.handler_modules)
     check_handlers(config, registry)
     child = ChildSpec.from_env(os.environ)
