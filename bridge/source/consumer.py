@@ -193,9 +193,14 @@ class SourceConsumer:
 
     def _poll(self) -> list[Any]:
         """A batch as soon as one record is there (on the consumer thread): `consume(n, timeout)` alone waits for
-        n records or the whole timeout, so at a few hundred records/s every record would wait ~100 ms. Wait for
-        one, then take what else is fetched already."""
+        n records or the whole timeout, so at a few hundred records/s every record would wait ~100 ms. What is
+        fetched already is taken in one call; only when nothing is, wait for one, then take what else came.
+        One call, not two, while records flow: each call gives the GIL up and waits to take it back from the
+        handler threads (~1-2 ms a poll under load)."""
         assert self.kafka is not None
+        fetched = self.kafka.consume(self._poll_size, 0)
+        if fetched:
+            return fetched
         first = self.kafka.consume(1, _POLL_TIMEOUT)
         if not first or self._poll_size <= 1:
             return first
