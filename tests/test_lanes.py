@@ -584,22 +584,28 @@ class Message:
         return len(self._value)
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
 async def test_a_success_on_the_common_path_makes_no_source_record_and_a_failure_keeps_all_of_its_record(
-        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The common path (a sync handler here, tracing off) runs a record as fetched: a success is the fetched
-    record and its seconds, no SourceRecord made; the record that fails becomes one with all it carried — key,
-    headers, timestamp, content type — and its task's attempt starts when its handler began."""
+        rig: Rig, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The common path (a handler here, sync on handler threads or async on the loop, tracing off) runs a record
+    as fetched: a success is the fetched record and its seconds, no SourceRecord made; the record that fails
+    becomes one with all it carried — key, headers, timestamp, content type — and its task's attempt starts when
+    its handler began."""
     made: list[int] = []
     from_message = SourceRecord.from_message
     monkeypatch.setattr(SourceRecord, "from_message", classmethod(
         lambda cls, msg: made.append(msg.offset()) or from_message(msg)))
     seen: list[tuple[str, str, bytes]] = []
 
-    def handler(ctx: HandlerContext) -> None:
+    def sync_handler(ctx: HandlerContext) -> None:
         seen.append((ctx.source, ctx.content_type, ctx.payload))
         if ctx.payload == b"fail":
             raise ValueError("no")
 
+    async def async_handler(ctx: HandlerContext) -> None:
+        sync_handler(ctx)
+
+    handler = sync_handler if kind == "sync" else async_handler
     headers = [("content-type", b"text/plain"), ("x-bin", b"\xff\x00")]
     fetched = [Message(i, b"k%d" % i, b"fail" if i == 7 else b"{}", headers if i % 2 else None) for i in range(20)]
     lane = await rig.lane(handler)

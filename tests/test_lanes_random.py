@@ -1,7 +1,8 @@
-"""A lane with `ordering: key` under a randomized mix (issue 25: ordered lanes take chunks): random keys (and
-records without one), failures, slow records that start more runners, failures that hold the lane for a while,
-and the store confirming each failure's task after a random delay — with real handler threads and the
-consumer's watchdog. Whatever the mix:
+"""A lane with `ordering: key` under a randomized mix (issue 25: ordered lanes take chunks; an async handler's
+runners report a success as fetched), its handler sync or async: random keys (and records without one),
+failures, slow records that start more runners, failures that hold the lane for a while, and the store
+confirming each failure's task after a random delay — with real handler threads and the consumer's watchdog.
+Whatever the mix:
 
 - every record is reported exactly once, and the lane ends empty (backlog and bytes);
 - no two records of a key run at once, and a key's records run in offset order;
@@ -55,6 +56,28 @@ class Mix:
         return [SourceRecord("t", 0, i, key, b"{}", None, ()).fetched() for i, key in enumerate(self.keys)]
 
     def __call__(self, ctx: HandlerContext) -> None:
+        """The sync handler (a lane's chunked runners on handler threads)."""
+        offset, key = self._began(ctx)
+        try:
+            if offset in self.slow:
+                time.sleep(0.002)  # waits, as I/O does: three in a row start more runners
+            if offset in self.fails:
+                raise ConnectionError("down")
+        finally:
+            self._ended(key)
+
+    async def run_async(self, ctx: HandlerContext) -> None:
+        """The same as an async handler (the lane's runners are tasks on the loop)."""
+        offset, key = self._began(ctx)
+        try:
+            if offset in self.slow:
+                await asyncio.sleep(0.002)  # suspends: the lane's second runner takes the next record meanwhile
+            if offset in self.fails:
+                raise ConnectionError("down")
+        finally:
+            self._ended(key)
+
+    def _began(self, ctx: HandlerContext) -> tuple[int, bytes | None]:
         offset = offset_of(ctx)
         key = self.keys[offset]
         with self._lock:
@@ -63,15 +86,12 @@ class Mix:
             if key is not None:
                 self._running.add(key)
             self.ran.setdefault(key, []).append(offset)
-        try:
-            if offset in self.slow:
-                time.sleep(0.002)  # waits, as I/O does: three in a row start more runners
-            if offset in self.fails:
-                raise ConnectionError("down")
-        finally:
-            with self._lock:
-                if key is not None:
-                    self._running.discard(key)
+        return offset, key
+
+    def _ended(self, key: bytes | None) -> None:
+        with self._lock:
+            if key is not None:
+                self._running.discard(key)
 
 
 def confirm_later(lane: Lane, rng: random.Random, collect: Callable[[Lane, Results], None]) -> Callable[
@@ -105,12 +125,15 @@ def hold_sometimes(rng: random.Random) -> Callable[[Lane, Ran], None]:
     return on_failure
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
 @pytest.mark.parametrize("seed", range(12))
-async def test_an_ordered_lanes_chunks_keep_every_key_in_order_whatever_the_mix(rig: Rig, seed: int) -> None:
+async def test_an_ordered_lanes_chunks_keep_every_key_in_order_whatever_the_mix(rig: Rig, seed: int,
+                                                                               kind: str) -> None:
     n = 600
     mix = Mix(seed, n)
     rng = random.Random(seed * 7919)
-    lane = await rig.lane(mix, limit=4, on_failure=hold_sometimes(rng), ordering="key")
+    handler = mix if kind == "sync" else mix.run_async
+    lane = await rig.lane(handler, limit=4, on_failure=hold_sometimes(rng), ordering="key")
     lane._on_results = confirm_later(lane, rng, lane._on_results)
     lane.load_keys(set())
     dog = asyncio.create_task(watchdog(lane))

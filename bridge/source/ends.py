@@ -36,6 +36,11 @@ class Begun:
     sampled: bool  # traced (tracing on and the sampler says so): spans are built only then
     seconds: float = 0.0  # how long its handler ran, once it returned (a chunk's success: runners.py)
 
+    @property
+    def planned(self) -> bool:
+        """Begun as fetched (`FirstDelivery.begin`, a planned record of the common path): no SourceRecord yet."""
+        return self.started_ms is None
+
     def source_record(self) -> SourceRecord:
         """Its record as a SourceRecord (it failed, or is traced): made once, shared with its task's headers."""
         headers = self.ctx.headers

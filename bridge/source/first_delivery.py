@@ -177,16 +177,17 @@ class FirstDelivery:
         ctx = HandlerContext(new_task_id, queue_name, 1, 0, record.value, record.content_type, headers)
         return Begun(record, queue_name, queue, handler, ctx, self.clock.now_ms(), ctx.last_beat, sampled)
 
-    def plan(self, queue_name: str) -> Plan | None:
-        """The common path's constants for a chunk of records, or None: each record goes `prepare`'s way (no queue,
-        a remote one, no handler here, an async handler, tracing on)."""
+    def plan(self, queue_name: str, run_async: bool = False) -> Plan | None:
+        """The common path's constants for a runner's records, or None: each record goes `prepare`'s way (no
+        queue, a remote one, no handler here, tracing on, or a handler not of the runner's kind: a sync runner
+        plans sync handlers, an async one, `run_async`, async handlers)."""
         if self.telemetry.tracing:
             return None
         queue = self.config.queue(queue_name)
         if queue is None or queue.remote:
             return None
         handler = self.registry.get(queue.handler)
-        if handler is None or self.is_async(handler):
+        if handler is None or self.is_async(handler) != run_async:
             return None
         return Plan(queue_name, queue, handler)
 
@@ -367,8 +368,14 @@ class FirstDelivery:
             assert task.dead_reason is not None
             metrics.dead_of(task.queue, task.dead_reason.type)
             self.hooks.task_dead(task.queue)
-        else:
-            self.hooks.task_pending(task.queue)
+        elif not (self.hooks.due_tasks_queued and due_from_creation(task)):
+            self.hooks.task_pending(task.queue)  # not announced to `due_tasks_queued` (whose subscriber wakes)
+
+
+def due_from_creation(task: NewTask) -> bool:
+    """Due when created: announced to `due_tasks_queued` whenever it was queued for the store (`_due_queued`);
+    its subscriber claimed it behind the insert, or woke whoever claims it."""
+    return (task.next_attempt_at or 0) <= task.created_at
 
 
 def suspect_task(record: SourceRecord, queue_name: str, queue: QueueConfig, handler_version: str | None,

@@ -33,12 +33,13 @@ from bridge.source.ends import Ran, Results
 from bridge.source.first_delivery import FirstDelivery
 from bridge.source.lane_keys import LaneKeys
 from bridge.source.runners import CpuLoad, Runner, drain_async, drain_sync
+from bridge.source.singles import SingleRunners
 
 # The watchdog adds a runner when every runner is on a record this old (the first records of a lane may hang).
 _STALLED = 0.1
 
 
-class Lane(ChunkedRunners):
+class Lane(ChunkedRunners, SingleRunners):
     def __init__(self, tp: TP, queue_name: str, delivery: FirstDelivery, threads: HandlerThreads | None,
                  limit: int, on_results: Callable[[Lane, Results], None],
                  is_suspect: Callable[[int], bool], on_failure: Callable[[Lane, Ran], None] | None = None,
@@ -197,9 +198,8 @@ class Lane(ChunkedRunners):
         if results:
             self._on_results(self, results)
 
-    # ---- in the runners -------------------------------------------------------------------------------------
-
-    # ---- asked by the runners (runners.py) --------------------------------------------------------------
+    # ---- asked by the runners (runners.py; a sync runner's chunks: chunks.py; an async runner's records:
+    # singles.py) ---------------------------------------------------------------------------------------------
 
     def runner_started(self) -> None:
         with self._lock:
@@ -208,31 +208,6 @@ class Lane(ChunkedRunners):
     def runner_ended(self, runner: Runner) -> None:
         with self._lock:
             self._runners.discard(runner)
-
-    def next_record(self, runner: Runner) -> Fetched | None:
-        with self._lock:
-            return self._take_next(runner)
-
-    def _take_next(self, runner: Runner) -> Fetched | None:
-        """(Under the lock.) The runner's next record; None: it is done (let go, held, nothing ready)."""
-        if runner.abandoned or self.held or not self.ready:
-            self._runners.discard(runner)
-            return None
-        if self.ordered:
-            return self._next_in_order(runner)
-        record = self.ready.popleft()
-        self.ready_bytes -= len(record)
-        return record
-
-    def _next_in_order(self, runner: Runner) -> Fetched | None:
-        """(Under the lock.) The first ready record whose key is not running (`runner.park`: its key is blocked)."""
-        found = self._keys.next_ready(self.ready)
-        if found is None:
-            self._runners.discard(runner)
-            return None
-        record, runner.park = found
-        self.ready_bytes -= len(record)
-        return record
 
     # ---- ordering: key (the state: lane_keys.py) -----------------------------------------------------------
 
@@ -296,34 +271,6 @@ class Lane(ChunkedRunners):
         elif back:
             self._call_soon(self.dispatch)  # a waiting record is ready again (a runner may have left meanwhile)
 
-    def report_and_next(self, runner: Runner, ran: Ran) -> Fetched | None:
-        """An async runner's record ended: report it and take the next one, under one lock. None: nothing more
-        for this runner — or the watchdog abandoned the record and reported it already."""
-        if ran.task is not None:
-            with self._lock:
-                if runner.abandoned and runner not in self._runners:
-                    return None
-                runner.current = None
-            if self._on_failure is not None:
-                self._on_failure(self, ran)  # may hold the lane (max_open_tasks) before the next record is taken
-        with self._lock:
-            if runner.abandoned and runner not in self._runners:
-                return None  # the watchdog ended this record (its claim) and reported it
-            runner.current = None
-            wake, back = self._add_result(ran)
-            record = self._take_next(runner)
-        if wake or back:
-            self._after_result(wake, 0, back)
-        return record
-
-    def maybe_second_runner(self) -> None:
-        if self._starting or len(self._runners) >= self.limit or not self.ready:
-            return  # read without the lock: a glance (on the loop, where runners start), checked again under it
-        with self._lock:
-            if not self.ready or self.held or self._starting or len(self._runners) >= self.limit:
-                return
-            self._starting += 1
-        self._start_runners(1)
 
 
 def _running_since(runner: Runner) -> float:

@@ -2,8 +2,8 @@
 
 A sync runner is one call on the queue's handler threads: it takes the lane's records a chunk at a time (one
 lock a chunk, chunks.py). An async one is one task on the loop: it takes a record, runs its first delivery, and
-hands the result back while taking the next (`report_and_next`: one lock a record). A runner that records keep
-waiting on, as I/O does, is told so (`slow`) and the lane starts more.
+hands the result back while taking the next (`report_and_next`; `report_ok_and_next` for a planned success: one
+lock a record). A runner that records keep waiting on, as I/O does, is told so (`slow`) and the lane starts more.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Protocol, cast
 
 from bridge.engine.runner import outcome_of_exception
 from bridge.records import Fetched, SourceRecord, source_record
@@ -113,6 +113,7 @@ class RunnersLane(Protocol):
     def runner_started(self) -> None: ...
     def next_record(self, runner: Runner) -> Fetched | None: ...
     def report_and_next(self, runner: Runner, ran: Ran) -> Fetched | None: ...
+    def report_ok_and_next(self, runner: Runner, fetched: Fetched, seconds: float) -> Fetched | None: ...
     def parked(self, record: SourceRecord) -> Ran: ...
     def maybe_second_runner(self) -> None: ...
     def runner_ended(self, runner: Runner) -> None: ...
@@ -124,10 +125,13 @@ class RunnersLane(Protocol):
     def report_chunk(self, runner: Runner, slow: bool, fast: bool) -> bool: ...
 
 
-def _next_to_run(lane: RunnersLane, runner: Runner, fetched: Fetched | None) -> Begun | None:
+def _next_to_run(lane: RunnersLane, runner: Runner, fetched: Fetched | None, plan: Plan | None) -> Begun | None:
     """From `fetched` on, the first record whose handler is to run; those parked behind their key or becoming a
-    task at once (a suspect, no handler here) are reported on the way. None: nothing more for this runner."""
+    task at once (a suspect, no handler here) are reported on the way. None: nothing more for this runner. A
+    planned record (`plan`: an async handler, tracing off) begins as fetched, no SourceRecord."""
     while fetched is not None:
+        if plan is not None and not runner.park and not lane.is_suspect(fetched.offset()):
+            return lane.delivery.begin(plan, fetched)
         record = source_record(fetched)
         if runner.park:
             fetched = lane.report_and_next(runner, lane.parked(record))
@@ -233,16 +237,20 @@ def slow_streak(streak: int, wall: float, cpu_before: float) -> int:
 
 async def drain_async(lane: RunnersLane, runner: Runner) -> None:
     """An async runner, on the loop. Before each handler runs, a second runner is started (once) to take the next
-    record should this one's handler suspend: concurrency without a task per record."""
+    record should this one's handler suspend: concurrency without a task per record. A planned record's success
+    is reported as its fetched record and seconds (no SourceRecord, no `Ran`), as a sync chunk's are."""
     lane.runner_started()
     delivery = lane.delivery
+    plan = delivery.plan(lane.queue_name, run_async=True)
     try:
-        begun = _next_to_run(lane, runner, lane.next_record(runner))
+        begun = _next_to_run(lane, runner, lane.next_record(runner), plan)
         while begun is not None:
             lane.maybe_second_runner()
             runner.current = begun
             try:
-                if delivery.is_async(begun.handler):
+                if begun.planned:  # the common path
+                    ran = await _run_planned_async(delivery, begun)
+                elif delivery.is_async(begun.handler):
                     ran = await delivery.run_async(begun)
                 else:  # no handler threads here (tests): the loop's default executor
                     ran = await lane.loop.run_in_executor(None, delivery.run_sync, begun)
@@ -250,6 +258,21 @@ async def drain_async(lane: RunnersLane, runner: Runner) -> None:
                 if runner.abandoned:
                     return  # the watchdog reported this record
                 raise
-            begun = _next_to_run(lane, runner, lane.report_and_next(runner, ran))
+            if ran is None:
+                fetched = lane.report_ok_and_next(runner, cast(Fetched, begun.record), begun.seconds)
+            else:
+                fetched = lane.report_and_next(runner, ran)
+            begun = _next_to_run(lane, runner, fetched, plan)
     finally:
         lane.runner_ended(runner)
+
+
+async def _run_planned_async(delivery: FirstDelivery, begun: Begun) -> Ran | None:
+    """A planned record's async handler (untraced): None when it succeeded (its seconds in `begun.seconds`), the
+    `Ran` of its failure otherwise. Cancelled (abandoned by the watchdog): raises CancelledError."""
+    try:
+        await begun.handler.fn(begun.ctx)  # type: ignore[misc]
+    except Exception as e:  # the handler's error is its outcome
+        return delivery.ended(begun, outcome_of_exception(e, begun.queue.errors))
+    begun.seconds = time.monotonic() - begun.began
+    return None
