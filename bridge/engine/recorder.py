@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from bridge.clock import Clock
 from bridge.config import QueueConfig
-from bridge.engine.breaker import Breakers
+from bridge.engine.breaker import Breakers, State
 from bridge.engine.policy import decide
 from bridge.engine.runner import RunOutcome
 from bridge.hooks import Hooks
@@ -21,6 +21,7 @@ from bridge.telemetry.core import Telemetry
 
 log = logging.getLogger(__name__)
 PROBE_NOTE = "a circuit-breaker probe during an outage: not counted against max_attempts"
+HELD_NOTE = "in flight when the circuit breaker tripped, failed during the outage: not counted against max_attempts"
 
 
 class Recorder:
@@ -38,13 +39,13 @@ class Recorder:
     async def record(self, task: Task, queue: QueueConfig, started: int, result: RunOutcome,
                      worker: str | None = None, probe: bool = False) -> Result:
         """Record an attempt's outcome under the task's lease token (also for remote workers' results)."""
+        held = self.breakers.of(task.queue).state != State.CLOSED  # before this outcome counts towards a trip
         if not result.lease_lost and not probe:  # an abandoned attempt's outcome says nothing of the downstream
             self.breakers.record(task.queue, [result.outcome])
         now = self.clock.now_ms()
-        # A probe's retryable failure is the outage's, not the task's (SPEC §11: no attempt is spent): kept in the
-        # history, not counted against max_attempts (the task's next attempt has the same number).
-        spared = probe and result.outcome == Outcome.RETRYABLE_FAILURE and not result.lease_lost
-        note = PROBE_NOTE if spared else self._breaker_note(task, started)
+        spared_note = self._spared_note(result, probe, held)
+        spared = spared_note is not None
+        note = spared_note if spared else self._breaker_note(task, started)
         report = RunReport(started, now, result.outcome, result.error, worker or self.instance_id, note=note)
         extra = {"task_id": task.id, "queue": task.queue, "attempt": task.attempt_count}
         if result.ok:
@@ -71,6 +72,17 @@ class Recorder:
         elif task.order_key is not None:
             self.hooks.task_pending(task.queue)  # its end may have released the next parked record of its key
         return outcome
+
+    @staticmethod
+    def _spared_note(result: RunOutcome, probe: bool, held: bool) -> str | None:
+        """The note of an attempt whose retryable failure is the outage's, not the task's (SPEC §11: no attempt is
+        spent while the breaker is open): kept in the history, not counted against max_attempts (the task's next
+        attempt has the same number). A probe's; or one that ended with the breaker already open or half-open —
+        in flight when it tripped, it would otherwise have spent a last attempt on the outage and dead-lettered
+        its task (CI: 4 of 300 with max_attempts 2). None: the attempt counts."""
+        if result.outcome != Outcome.RETRYABLE_FAILURE or result.lease_lost:
+            return None
+        return PROBE_NOTE if probe else HELD_NOTE if held else None
 
     def _breaker_note(self, task: Task, started: int) -> str | None:
         """How long this task, due since `next_attempt_at`, waited for its queue's breaker before this attempt

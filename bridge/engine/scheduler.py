@@ -181,19 +181,21 @@ class Scheduler:
 
     def claim_behind(self, name: str, due: int) -> None:
         """`due` tasks of `name`, due now, are queued for the store's next commit (a first delivery's zero-backoff
-        retries): queue a claim of them behind them now, so they are claimed in the transaction that stores them —
-        no commit of its own, no wait for the queue loop's wake-up. Only where run_once would claim as much (a
-        half-open breaker's probes are the queue loop's). It reserves those tasks' slots, not every free one: a
-        claim in flight that reserved them all left the next first delivery's retries to the queue loop (most
-        of the retry latency's tail, bench_kafka e2e)."""
+        retries): claim them behind them, in the transaction that stores them — no commit of its own, no wait for
+        the queue loop. Only where run_once would claim as much (a half-open breaker's probes are the queue
+        loop's). It reserves those tasks' slots, not every free one: a claim in flight that reserved them all left
+        the next first delivery's retries to the queue loop. What it does not claim, it wakes the queue loop for;
+        the first delivery does not (that wake's claim was a commit for nothing that held the free slots)."""
         queue = self.config.queue(name)
-        if (queue is None or queue.remote or self._stopping or self._holding(name, queue)
-                or self.breakers.of(name).state == State.HALF_OPEN):
-            return
-        free = min(due, self._free(name, queue))
-        if free > 0:
-            self._claiming_behind.add(claim := asyncio.ensure_future(self._queue_claim(name, queue, free)))
-            claim.add_done_callback(self._claimed_behind)
+        free = 0
+        if (queue is not None and not queue.remote and not self._stopping and not self._holding(name, queue)
+                and self.breakers.of(name).state != State.HALF_OPEN):
+            free = min(due, self._free(name, queue))
+            if free > 0:
+                self._claiming_behind.add(claim := asyncio.ensure_future(self._queue_claim(name, queue, free)))
+                claim.add_done_callback(self._claimed_behind)
+        if free < due:
+            self.wake(name)  # the rest is the queue loop's (or a remote worker's): its claim is queued behind them
 
     def _claimed_behind(self, claim: asyncio.Future[int]) -> None:
         self._claiming_behind.discard(claim)
