@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bridge.admin.commands import AdminCommands
-from bridge.admin.protocol import Command, RedriveArgs, StatsArgs
+from bridge.admin.protocol import CancelArgs, Command, RedriveArgs, StatsArgs
 from bridge.engine.core import Engine
 from bridge.live_config import LiveConfig
 from bridge.model import ErrorInfo, Status
@@ -140,7 +140,6 @@ async def test_a_bulk_redrive_ends_early_when_the_bridge_stops(rig: tuple[AdminC
 async def test_a_bulk_redrive_stops_at_its_next_batch_when_cancelled(rig: tuple[AdminCommands, Store, Path]) -> None:
     commands, store, _ = rig
     await _dead(store, 400)
-    assert not commands.redrives.cancel("r-1", "sre")  # nothing under way yet
     running = asyncio.create_task(_run(commands, _cmd("r-1", queue="q", limit=1000, rate=200)))
     await asyncio.sleep(0.5)
     assert commands.redrives.cancel("r-1", "sre@host (key k1)")
@@ -193,3 +192,33 @@ async def test_a_cancel_sent_while_a_bulk_redrive_still_plans_is_not_lost(
     assert result["count"] == 0 and result["interrupted"].startswith("cancelled by sre@host")
     assert (await store.counts())["q"]["DEAD"] == 100
     assert commands.redrives.running == set() and commands.redrives.cancelled == {}
+
+
+async def test_a_cancel_read_before_its_redrive_stops_it_before_its_first_batch(
+        rig: tuple[AdminCommands, Store, Path]) -> None:
+    """Command records keep their order within a partition only: a cancel keyed apart from its redrive (kcat, any
+    other client) may be read first. It is kept (armed) and the redrive, read later, stops before its first batch;
+    one kept longer than EARLY_CANCEL_KEPT_S stops nothing."""
+    commands, store, _ = rig
+    await _dead(store, 100)
+    cancel = CancelArgs(request_id="r-3")
+    assert await commands.cancel(cancel, Command("c-1", "cancel", cancel, 0, "sre", "k1"), _noop) == {
+        "request_id": "r-3", "running": False, "armed": True}
+    result = await asyncio.wait_for(_run(commands, _cmd("r-3", queue="q", limit=1000, rate=1000)), 5)
+    assert result["count"] == 0 and result["interrupted"].startswith("cancelled by sre")
+    assert (await store.counts())["q"]["DEAD"] == 100
+    assert commands.redrives.running == set() and commands.redrives.cancelled == {} and commands.redrives.early == {}
+    # Kept too long: the redrive runs whole.
+    assert not commands.redrives.cancel("r-4", "sre")
+    by, _ = commands.redrives.early["r-4"]
+    commands.redrives.early["r-4"] = (by, time.monotonic() - 1)
+    result = await asyncio.wait_for(_run(commands, _cmd("r-4", queue="q", limit=1000, rate=1000)), 5)
+    assert result["count"] == 100 and "interrupted" not in result
+
+
+def test_a_cancel_record_is_keyed_by_the_request_it_cancels() -> None:
+    from bridge.admin.protocol import record_key
+
+    assert record_key("cancel", {"request_id": "r-9"}, "c-1") == b"r-9"
+    assert record_key("redrive", {"queue": "q"}, "r-9") == b"r-9"
+    assert record_key("cancel", {}, "c-1") == b"c-1"  # malformed: refused by the bridge, still sent whole

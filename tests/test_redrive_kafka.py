@@ -18,7 +18,7 @@ from bridge.admin.client import AdminSession, Replies
 from bridge.config import BridgeConfig
 from bridge.service import Bridge
 from tests.conftest import KafkaEnv
-from tests.kafka_helpers import produce, running_bridge, wait_until
+from tests.kafka_helpers import produce, read_topic, running_bridge, wait_until
 from tests.test_admin import ROOT, admin_config, switch_registry, write
 
 pytestmark = pytest.mark.kafka
@@ -142,7 +142,13 @@ async def test_a_bulk_redrive_is_cancelled_through_the_admin_topic_and_its_answe
                 session.close()
 
         cancelled, final = await asyncio.to_thread(redrive_then_cancel)
-        assert cancelled["ok"] and cancelled["result"]["running"]
+        # The cancel is keyed by the redrive it cancels: on that redrive's partition, read after it (keyed by its
+        # own id, it sat on another partition and was read first once in a while: "running" false, and lost).
+        records = read_topic(kafka.bootstrap_servers, config.admin.topic, expect=2)
+        [(redrive_key, redrive_partition)] = [(m.key(), m.partition()) for m in records
+                                              if json.loads(m.value())["command"] == "redrive"]
+        assert {(m.key(), m.partition()) for m in records} == {(redrive_key, redrive_partition)}
+        assert cancelled["ok"] and cancelled["result"]["running"] and not cancelled["result"]["armed"]
         [reply] = final.final
         assert reply["result"]["interrupted"].startswith("cancelled by sre@test")
         assert 0 <= reply["result"]["count"] < 300 and (after == 0 or reply["result"]["count"] > 0)

@@ -118,8 +118,10 @@ class AdminCommands:
                          "redrives": await self.store.redrives(task.id), **ordering}}
 
     async def cancel(self, args: CancelArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
+        """Stop the bulk redrive `args.request_id` at its next batch. Not running here (not yet read, or over):
+        `armed`, a redrive with that id read later stops before its first batch."""
         running = self.redrives.cancel(args.request_id, f"{cmd.issued_by} (key {cmd.key_id or 'none'})")
-        return {"request_id": args.request_id, "running": running}
+        return {"request_id": args.request_id, "running": running, "armed": not running}
 
     async def skip(self, args: SkipArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         """Let a held key go (SPEC §12): its dead head stays DEAD (redrive it later if you like); the key's next

@@ -157,7 +157,7 @@ class AdminLoop:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             # However the command ended (refused before its redrive began, too), it is no longer cancellable.
-            task.add_done_callback(lambda _: self.commands.redrives.running.discard(cmd.request_id))
+            task.add_done_callback(lambda _: self.commands.redrives.ended(cmd.request_id))
         else:
             await self._execute(cmd, verified)
 

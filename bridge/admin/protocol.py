@@ -242,6 +242,14 @@ def sign(key: bytes | str, value: bytes) -> str:
     return hmac.new(key.encode("utf-8") if isinstance(key, str) else key, value, hashlib.sha256).hexdigest()
 
 
+def record_key(command: str, args: dict[str, Any], request_id: str) -> bytes:
+    """The key of a command's record: its request id; a cancel's is the request it cancels, so it lands on that
+    redrive's partition and every instance reads it after the redrive (records keep their order only within a
+    partition). A cancel read first anyway (another client's key) is kept for it: RedriveCommands.cancel."""
+    target = args.get("request_id") if command == "cancel" else None
+    return (target if isinstance(target, str) else request_id).encode()
+
+
 def encode_command(command: str, args: dict[str, Any], issued_by: str, auth: AdminAuth | Literal["none"],
                    request_id: str | None = None, key_id: str | None = None,
                    issued_at: str | None = None) -> tuple[str, bytes, list[tuple[str, bytes]]]:

@@ -25,6 +25,12 @@ from bridge.records import SOURCE, parse_source, source_key
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 _LISTED = 1000  # ids listed in a reply at most (the count is always whole): a reply must fit a Kafka record
 _BATCHES_PER_SECOND = 20
+# A cancel of a redrive not running here is kept this long (and at most _EARLY_KEPT of them): a command record is
+# read in its partition's order only, so a cancel sent right behind its redrive may be read first when a client
+# keys it apart (kcat; our own clients key a cancel by the request it cancels: protocol.record_key). Three default
+# staleness windows: a redrive older than its window is refused anyway.
+EARLY_CANCEL_KEPT_S = 900.0
+_EARLY_KEPT = 10_000
 
 
 def loop_guard_refusal(task_id: str, redrive_count: int, max_redrives: int) -> dict[str, Any]:
@@ -47,17 +53,32 @@ class RedriveCommands:
         self.stopping = stopping  # set when the bridge stops: a bulk redrive ends early and says so
         self.running: set[str] = set()  # request ids of the bulk redrives under way
         self.cancelled: dict[str, str] = {}  # request id → who cancelled it
+        self.early: dict[str, tuple[str, float]] = {}  # cancels read before their redrive: id → (by, kept until)
 
     def expect(self, request_id: str) -> None:
-        """A bulk redrive about to start (in the background): cancellable from now on, before its scan."""
+        """A bulk redrive about to start (in the background): cancellable from now on, before its scan. A cancel
+        read before it (`early`) cancels it now: it stops before its first batch."""
         self.running.add(request_id)
+        early = self.early.pop(request_id, None)
+        if early is not None and early[1] > time.monotonic():
+            self.cancelled[request_id] = early[0]
+
+    def ended(self, request_id: str) -> None:
+        """However a bulk redrive ended (refused before it began, too): no longer cancellable."""
+        self.running.discard(request_id)
+        self.cancelled.pop(request_id, None)
 
     def cancel(self, request_id: str, by: str) -> bool:
-        """A bulk redrive under way stops at its next batch. True when one with that id runs here."""
-        if request_id not in self.running:
-            return False
-        self.cancelled[request_id] = by
-        return True
+        """A bulk redrive under way stops at its next batch. True when one with that id runs here; otherwise the
+        cancel is kept (EARLY_CANCEL_KEPT_S) for a redrive with that id read after it."""
+        if request_id in self.running:
+            self.cancelled[request_id] = by
+            return True
+        now = time.monotonic()
+        self.early = {i: kept for i, kept in self.early.items() if kept[1] > now}
+        if len(self.early) < _EARLY_KEPT:
+            self.early[request_id] = (by, now + EARLY_CANCEL_KEPT_S)
+        return False
 
     def max_redrives(self, queue: str, force: bool) -> int | None:
         """The loop guard of a queue (None: forced, or no such queue here — a task of an unconfigured queue is
@@ -86,12 +107,11 @@ class RedriveCommands:
     async def _redrive_queue(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         if args.dry_run:
             return await self._plan_or_run(args, cmd, progress)
-        self.running.add(cmd.request_id)  # before the scan: a cancel sent while it plans is not lost
+        self.expect(cmd.request_id)  # before the scan: a cancel sent while it plans is not lost
         try:
             return await self._plan_or_run(args, cmd, progress)
         finally:
-            self.running.discard(cmd.request_id)
-            self.cancelled.pop(cmd.request_id, None)
+            self.ended(cmd.request_id)
 
     async def _plan_or_run(self, args: RedriveArgs, cmd: Command, progress: Progress) -> dict[str, Any]:
         assert args.queue is not None
