@@ -26,7 +26,7 @@ from bridge.handler_api import HandlerContext
 from bridge.kafka_clients import ensure_topics
 from bridge.registry import Registry
 from tests.conftest import KafkaEnv
-from tests.kafka_helpers import aread_dlq, kafka_config, produce, running_bridge, wait_until
+from tests.kafka_helpers import aread_dlq, kafka_config, produce, read_topic, running_bridge, wait_until
 
 pytestmark = pytest.mark.kafka
 ROOT = Path(__file__).resolve().parent.parent
@@ -670,3 +670,35 @@ def test_a_kafka_error_no_command_words_is_one_line_and_exit_4(monkeypatch: pyte
     assert cli_main(["store", "stats", "--db", "nowhere.db"]) == 4
     err = capsys.readouterr().err
     assert err == "rdq: kafka: Failed to get watermark offsets\n"
+
+
+async def test_commands_sent_while_an_instance_was_down_run_there_in_the_order_they_were_sent(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """An instance that starts reads back the last window of every partition of the admin topic. Kafka keeps order
+    within a partition only: keyed apart, a `resume` sent after its `pause` could run first there, and the queue
+    stayed paused; a set-policy could be undone by the one before it. rdq keys every command alike."""
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}})
+    await asyncio.to_thread(ensure_topics, config)
+    sent: list[tuple[str, dict[str, Any]]] = []
+    for n in range(1, 9):
+        sent += [("pause" if n % 2 else "resume", {"queue": "q"}),
+                 ("set-policy", {"queue": "q", "policy": {"max_attempts": n}})]
+
+    def send_all() -> None:
+        session = AdminSession(config, issued_by="sre@test")
+        try:
+            for command, args in sent:  # no instance runs yet: nobody answers
+                session.request(command, args, timeout=0, instances=0)
+        finally:
+            session.close()
+
+    await asyncio.to_thread(send_all)
+    records = read_topic(kafka.bootstrap_servers, config.admin.topic, expect=len(sent))
+    assert len({(m.key(), m.partition()) for m in records}) == 1  # one partition: read in the order sent
+    async with running_bridge(config, registry) as bridge:
+        assert bridge.admin is not None
+        admin = bridge.admin
+        await wait_until(lambda: admin.handled >= len(sent), within=60, what="every command run")
+        assert "q" not in bridge.engine.scheduler.paused  # the last of them: resume
+        assert (await bridge.store.queue_settings())["q"] == ({"max_attempts": 8}, False)

@@ -215,10 +215,3 @@ async def test_a_cancel_read_before_its_redrive_stops_it_before_its_first_batch(
     result = await asyncio.wait_for(_run(commands, _cmd("r-4", queue="q", limit=1000, rate=1000)), 5)
     assert result["count"] == 100 and "interrupted" not in result
 
-
-def test_a_cancel_record_is_keyed_by_the_request_it_cancels() -> None:
-    from bridge.admin.protocol import record_key
-
-    assert record_key("cancel", {"request_id": "r-9"}, "c-1") == b"r-9"
-    assert record_key("redrive", {"queue": "q"}, "r-9") == b"r-9"
-    assert record_key("cancel", {}, "c-1") == b"c-1"  # malformed: refused by the bridge, still sent whole

@@ -142,8 +142,8 @@ async def test_a_bulk_redrive_is_cancelled_through_the_admin_topic_and_its_answe
                 session.close()
 
         cancelled, final = await asyncio.to_thread(redrive_then_cancel)
-        # The cancel is keyed by the redrive it cancels: on that redrive's partition, read after it (keyed by its
-        # own id, it sat on another partition and was read first once in a while: "running" false, and lost).
+        # The cancel is keyed as the redrive is: on its partition, read after it (keyed by its own request id, it
+        # sat on another partition and was read first once in a while: "running" false, and lost).
         records = read_topic(kafka.bootstrap_servers, config.admin.topic, expect=2)
         [(redrive_key, redrive_partition)] = [(m.key(), m.partition()) for m in records
                                               if json.loads(m.value())["command"] == "redrive"]

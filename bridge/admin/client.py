@@ -15,7 +15,7 @@ from typing import Any, cast
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from bridge.admin.protocol import encode_command, record_key
+from bridge.admin.protocol import COMMAND_KEY, encode_command
 from bridge.config import BridgeConfig
 from bridge.kafka_clients import KAFKA_LOG
 
@@ -136,8 +136,7 @@ class AdminSession:
         request_id, value, headers = encode_command(command, args, self.issued_by, self.admin.auth,
                                                     request_id=request_id, key_id=self.key_id)
         self._sent.add(request_id.encode())
-        key = record_key(command, args, request_id)
-        self._producer.produce(self.admin.topic, value=value, key=key, headers=cast(Any, headers))
+        self._producer.produce(self.admin.topic, value=value, key=COMMAND_KEY, headers=cast(Any, headers))
         if self._producer.flush(15) != 0:
             raise AdminClientError(f"could not send the command to {self.admin.topic!r}")
         return self.collect(Replies(request_id), timeout, instances, on_partial)

@@ -242,12 +242,11 @@ def sign(key: bytes | str, value: bytes) -> str:
     return hmac.new(key.encode("utf-8") if isinstance(key, str) else key, value, hashlib.sha256).hexdigest()
 
 
-def record_key(command: str, args: dict[str, Any], request_id: str) -> bytes:
-    """The key of a command's record: its request id; a cancel's is the request it cancels, so it lands on that
-    redrive's partition and every instance reads it after the redrive (records keep their order only within a
-    partition). A cancel read first anyway (another client's key) is kept for it: RedriveCommands.cancel."""
-    target = args.get("request_id") if command == "cancel" else None
-    return (target if isinstance(target, str) else request_id).encode()
+# The key of every command record rdq sends (the CLI, the console): one partition, so every instance runs them in
+# the order they were sent. Kafka keeps order within a partition only, and an instance catching up after a restart
+# reads the last window of every partition: a `resume` keyed apart from its `pause` could run first there and leave
+# the queue paused, a cancel could be read before its redrive. A client of one's own (kcat) keys its commands alike.
+COMMAND_KEY = b"rdq.admin"
 
 
 def encode_command(command: str, args: dict[str, Any], issued_by: str, auth: AdminAuth | Literal["none"],

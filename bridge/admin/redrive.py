@@ -26,9 +26,9 @@ Progress = Callable[[dict[str, Any]], Awaitable[None]]
 _LISTED = 1000  # ids listed in a reply at most (the count is always whole): a reply must fit a Kafka record
 _BATCHES_PER_SECOND = 20
 # A cancel of a redrive not running here is kept this long (and at most _EARLY_KEPT of them): a command record is
-# read in its partition's order only, so a cancel sent right behind its redrive may be read first when a client
-# keys it apart (kcat; our own clients key a cancel by the request it cancels: protocol.record_key). Three default
-# staleness windows: a redrive older than its window is refused anyway.
+# read in its partition's order only, so a cancel sent right behind its redrive may be read first when a client keys
+# the two apart (kcat; rdq's clients key every command alike: protocol.COMMAND_KEY). Three default staleness
+# windows: a redrive older than its window is refused anyway.
 EARLY_CANCEL_KEPT_S = 900.0
 _EARLY_KEPT = 10_000
 
