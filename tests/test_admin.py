@@ -702,3 +702,26 @@ async def test_commands_sent_while_an_instance_was_down_run_there_in_the_order_t
         await wait_until(lambda: admin.handled >= len(sent), within=60, what="every command run")
         assert "q" not in bridge.engine.scheduler.paused  # the last of them: resume
         assert (await bridge.store.queue_settings())["q"] == ({"max_attempts": 8}, False)
+
+
+async def test_a_starting_instance_runs_the_commands_read_back_in_the_order_they_were_produced(
+        kafka: KafkaEnv, tmp_path: Path, unique: str) -> None:
+    """kcat with keys of its own: a `pause` on one partition, its `resume` a moment later on another, both while the
+    instance was down. Read back at its start, they run in the order produced (a merge by timestamp), not in the
+    order the partitions are fetched in (the queue stayed paused)."""
+    registry, _ = switch_registry()
+    config = admin_config(kafka, tmp_path, unique, {"q": {**QUEUE, "sources": [f"in-{unique}"]}})
+    await asyncio.to_thread(ensure_topics, config)
+    auth = config.admin.auth  # type: ignore[union-attr]
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for partition, command in [(0, "pause"), (2, "pause"), (1, "resume")]:  # the last neither first nor last read
+        _, value, headers = encode_command(command, {"queue": "q"}, "kcat@test", auth)
+        producer.produce(f"admin-{unique}", value=value, key=command.encode(), partition=partition,
+                         headers=headers)  # type: ignore[arg-type]
+        assert producer.flush(15) == 0
+        await asyncio.sleep(0.05)  # a later timestamp
+    async with running_bridge(config, registry) as bridge:
+        assert bridge.admin is not None
+        admin = bridge.admin
+        await wait_until(lambda: admin.handled >= 3, within=60, what="every command run")
+        assert "q" not in bridge.engine.scheduler.paused

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,7 @@ from bridge.store.database import StoreError
 
 log = logging.getLogger(__name__)
 _CATCH_UP = 1000  # records per admin partition read back at most when the time lookup finds none
+_CATCH_UP_S = 30.0  # the read-back is merged in produce order for this long at most; what is left runs as it comes
 AUDIT_KEPT_MS = 30 * 86_400_000  # the commands that change something stay in the audit 30 days
 
 
@@ -50,6 +53,7 @@ class AdminLoop:
         self.handled = 0
         self.refused = 0
         self._background: set[asyncio.Task[None]] = set()  # bulk redrives under way
+        self._read_back: dict[int, int] = {}  # partition → its end when assigned: the window read back up to it
 
     @property
     def window_ms(self) -> int:
@@ -65,10 +69,9 @@ class AdminLoop:
         try:
             if not await self._assign_when_ready(consumer, stop):
                 return
+            await self._run_in_order(await self._read_back_window(consumer, stop))
             while not stop.is_set():
-                for msg in await self._call(consumer.consume, 100, 0.2):
-                    if msg.error() is None and self._fresh(msg):
-                        await self.handle(msg.value(), list(msg.headers() or []))
+                await self._run_in_order(await self._call(consumer.consume, 100, 0.2))
                 await asyncio.to_thread(self._producer.poll, 0)
         finally:
             # Bulk redrives under way end at their next batch and send their final reply (what was done, and that
@@ -80,6 +83,26 @@ class AdminLoop:
                 await asyncio.to_thread(self._producer.flush, 5.0)
             await self._call(consumer.close)
             self._thread.shutdown(wait=False)
+
+    async def _run_in_order(self, messages: list[Any]) -> None:
+        for msg in messages:
+            if msg.error() is None and self._fresh(msg):
+                await self.handle(msg.value(), list(msg.headers() or []))
+
+    async def _read_back_window(self, consumer: Consumer, stop: asyncio.Event) -> list[Any]:
+        """The last window's commands of every partition (up to each one's end when assigned), merged in the order
+        they were produced: Kafka keeps order within a partition only, and a `resume` keyed apart from its `pause`
+        (kcat) must not run first here. Each partition's own order is kept (a k-way merge by timestamp)."""
+        by_partition: dict[int, list[Any]] = {}
+        unread = {p for p, end in self._read_back.items() if end > 0}
+        deadline = time.monotonic() + _CATCH_UP_S
+        while unread and not stop.is_set() and time.monotonic() < deadline:
+            for msg in await self._call(consumer.consume, 100, 0.2):
+                if msg.error() is None:
+                    by_partition.setdefault(msg.partition(), []).append(msg)
+            positions = await self._call(consumer.position, [TopicPartition(self.admin.topic, p) for p in unread])
+            unread -= {tp.partition for tp in positions if tp.offset >= self._read_back[tp.partition]}
+        return list(heapq.merge(*by_partition.values(), key=lambda msg: msg.timestamp()[1]))
 
     async def _assign_when_ready(self, consumer: Consumer, stop: asyncio.Event) -> bool:
         """Assign the admin topic; while it is missing or the broker is away, say so and try again (a missing
@@ -119,11 +142,9 @@ class AdminLoop:
         # skipped unanswered by `_fresh` (they would only be refused as stale).
         start = []
         for o in offsets:
-            if o.offset >= 0:
-                start.append(o.offset)
-            else:
-                low, high = consumer.get_watermark_offsets(TopicPartition(topic, o.partition), timeout=30)
-                start.append(max(low, high - _CATCH_UP))
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, o.partition), timeout=30)
+            start.append(o.offset if o.offset >= 0 else max(low, high - _CATCH_UP))
+            self._read_back[o.partition] = high if high > start[-1] else 0
         consumer.assign([TopicPartition(topic, o.partition, at) for o, at in zip(offsets, start, strict=True)])
         return True
 
