@@ -53,7 +53,7 @@ class AdminLoop:
         self.handled = 0
         self.refused = 0
         self._background: set[asyncio.Task[None]] = set()  # bulk redrives under way
-        self._read_back: dict[int, int] = {}  # partition → its end when assigned: the window read back up to it
+        self._read_back: dict[int, int] = {}  # partition → its end when assigned, where the window read back has any
 
     @property
     def window_ms(self) -> int:
@@ -94,7 +94,7 @@ class AdminLoop:
         they were produced: Kafka keeps order within a partition only, and a `resume` keyed apart from its `pause`
         (kcat) must not run first here. Each partition's own order is kept (a k-way merge by timestamp)."""
         by_partition: dict[int, list[Any]] = {}
-        unread = {p for p, end in self._read_back.items() if end > 0}
+        unread = set(self._read_back)
         deadline = time.monotonic() + _CATCH_UP_S
         while unread and not stop.is_set() and time.monotonic() < deadline:
             for msg in await self._call(consumer.consume, 100, 0.2):
@@ -140,12 +140,14 @@ class AdminLoop:
         # -1 should mean "no command since then", but a broker can answer -1 for records just written (seen on
         # a fresh topic): start at most _CATCH_UP records back instead. Records older than the window are then
         # skipped unanswered by `_fresh` (they would only be refused as stale).
-        start = []
+        start, ends = [], {}
         for o in offsets:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, o.partition), timeout=30)
             start.append(o.offset if o.offset >= 0 else max(low, high - _CATCH_UP))
-            self._read_back[o.partition] = high if high > start[-1] else 0
+            if high > start[-1]:
+                ends[o.partition] = high
         consumer.assign([TopicPartition(topic, o.partition, at) for o, at in zip(offsets, start, strict=True)])
+        self._read_back = ends
         return True
 
     def _fresh(self, msg: Any) -> bool:
