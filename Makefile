@@ -53,6 +53,7 @@ soak: kafka
 bench: kafka
 	$(BIN)/python -m bench.bench_engine all
 	$(BIN)/python -m bench.bench_kafka all
+	$(BIN)/python -m bench.bench_lowrate
 	$(BIN)/python -m bench.bench_changelog all
 	$(BIN)/python -m bench.bench_processes all
 	$(BIN)/python -m bench.bench_tracing

@@ -1,7 +1,8 @@
 """A process that stores and completes tasks as fast as it can, printing a line for every acknowledged write.
 
 Run by tests/test_crash.py, which SIGKILLs it at random moments and then checks that every acknowledged write
-survived. Lines: `S <id>` (submit acknowledged), `D <id> <status> <attempt_no>` (an outcome acknowledged).
+survived. Lines: `S <id>` (submit acknowledged), `D <id> <status> <attempt_no>` (an outcome acknowledged),
+`J <partition> <hi>` (an in-flight journal write acknowledged: not fsync'd alone, it must survive the kill too).
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ async def worker(store: Store, clock: SystemClock, rng: random.Random, name: str
                 ack(f"D {task.id} {r.status} {r.attempt_no}")
 
 
+async def journaler(store: Store, clock: SystemClock, rng: random.Random, run_id: str) -> None:
+    """The consumer's in-flight journal: a poll's range a partition, written with `durable=False` (a group commit
+    of journal writes alone is not fsync'd), sometimes sharing its commit with the submitters' durable ones."""
+    hi = 0
+    while True:
+        partition = rng.randrange(4)
+        hi += rng.randint(1, 50)
+        await store.journal_inflight(run_id, [("t", partition, hi - 10, hi)], [], clock.now_ms())
+        ack(f"J {partition} {hi}")
+        await asyncio.sleep(rng.uniform(0, 0.004))
+
+
 async def reclaimer(store: Store, clock: SystemClock) -> None:
     """Leases left by a killed predecessor lapse; give them back (as the sweep would)."""
     while True:
@@ -71,6 +84,7 @@ async def main(path: str, seed: int) -> None:
     ack(f"READY synchronous={synchronous}")  # 2 = FULL, the production default
     await asyncio.gather(*(submitter(store, clock, random.Random(rng.random())) for _ in range(8)),
                          *(worker(store, clock, random.Random(rng.random()), f"w{i}") for i in range(3)),
+                         journaler(store, clock, random.Random(rng.random()), f"run-{seed}"),
                          reclaimer(store, clock))
 
 

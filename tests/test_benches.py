@@ -32,6 +32,7 @@ ROWS = {
     "kafka-dlq": ["bench.bench_kafka", "dlq", "--n", "100", "--runs", "1"],
     "kafka-e2e": ["bench.bench_kafka", "e2e", "--n", "60", "--runs", "1"],
     "kafka-ordering": ["bench.bench_kafka", "ordering", "--n", "600", "--runs", "1"],
+    "kafka-lowrate": ["bench.bench_lowrate", "--n", "40", "--runs", "1"],
     "changelog-restore": ["bench.bench_changelog", "restore", "--n", "300"],
     "changelog-restore-partitions": ["bench.bench_changelog", "restore", "--n", "300", "--partitions", "3"],
     "changelog-apply": ["bench.bench_changelog", "apply", "--n", "2400"],

@@ -440,6 +440,27 @@ async def test_concurrent_submits_are_group_committed(store: Store) -> None:
     assert (await store.counts())["q"]["PENDING"] == 500
 
 
+def synchronous_level(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+
+async def test_a_group_commit_of_journal_writes_alone_is_not_fsynced_and_one_with_a_durable_write_is(
+        store: Store) -> None:
+    """The in-flight journal need survive the process, not the machine: at a few hundred records/s its write
+    a poll was an fsync a record for records that succeed. A commit of such writes alone runs at NORMAL (the WAL
+    written, not synced); any durable write in the batch makes the whole commit FULL."""
+    db = store.db
+    assert await db.write(synchronous_level, durable=False) == 1  # NORMAL
+    assert await db.write(synchronous_level) == 2  # FULL again for a durable write alone
+    batches, synced = store.stats.batches, store.stats.synced
+    shared = await asyncio.gather(db.write(synchronous_level, durable=False), store.submit(failure()))
+    assert store.stats.batches == batches + 1, "both writes in one group commit"
+    assert shared[0] == 2 and store.stats.synced == synced + 1  # the task's submit: fsync'd, the journal with it
+    await store.journal_inflight("run-1", [("t", 0, 10, 20)], [("t", 0, 5)], T0)
+    assert store.stats.batches == batches + 2 and store.stats.synced == synced + 1  # the journal alone: not
+    assert await store.journal_suspects("run-2") == [("t", 0, 10, 20)]
+
+
 async def test_a_failing_operation_does_not_undo_its_batch(store: Store) -> None:
     new = failure()
     await store.submit(new)

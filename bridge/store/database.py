@@ -72,14 +72,23 @@ class _Op:
     future: asyncio.Future[Any]
     new_tasks: Sequence[NewTask] = ()  # submits: inserted in bulk with every other of the batch
     many: bool = False  # a batch of submits, answered with an error (or None) a task; one submit with its id
+    # False: the write need survive the process, not the machine (the in-flight journal): a group commit of such
+    # writes alone is not fsync'd (`Database._sync_for`).
+    durable: bool = True
 
 
 @dataclass
 class WriteStats:
     batches: int = 0
+    synced: int = 0  # of the batches, those committed with an fsync (synchronous FULL or EXTRA)
     ops: int = 0
     largest_batch: int = 0
 
+
+# PRAGMA synchronous's levels. NORMAL in WAL mode: a commit is written to the WAL, not fsync'd (the next fsync'd
+# commit or checkpoint syncs it with what came before it): it survives the process's death, not the machine's.
+_LEVELS = {"OFF": 0, "NORMAL": 1, "FULL": 2, "EXTRA": 3}
+_NORMAL = _LEVELS["NORMAL"]
 
 _UNWRITABLE = {8, 10, 13, 14}  # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
 
@@ -149,6 +158,7 @@ class Database:
         self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self.stats = WriteStats()
+        self._synchronous = self._sync_now = _LEVELS["FULL"]  # as configured, and as set now (`_prepare`, `_sync_for`)
         # False after a write failed for want of space or permission, until a write succeeds again (/readyz).
         self.writable = True
 
@@ -191,6 +201,7 @@ class Database:
         if mode.lower() != "wal":
             raise StoreError(f"cannot switch the store to WAL mode (got {mode})")
         conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._synchronous = self._sync_now = conn.execute("PRAGMA synchronous").fetchone()[0]
         conn.execute(f"PRAGMA busy_timeout={ms(busy_timeout)}")
         conn.execute("PRAGMA temp_store=MEMORY")
         with_history_functions(conn)
@@ -244,16 +255,20 @@ class Database:
 
     # ---- the group-commit writer -----------------------------------------------------------------------
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None) -> T:
-        """`fn(conn)` in the next group commit, under its own savepoint; its result once COMMIT returned."""
-        return await self.enqueue(fn, new_task)
+    async def write(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None,
+                    durable: bool = True) -> T:
+        """`fn(conn)` in the next group commit, under its own savepoint; its result once COMMIT returned.
+        `durable=False`: the write must survive the process, not the machine — a group commit of such writes
+        alone is not fsync'd (the in-flight journal: what a handler that kills the process needs)."""
+        return await self.enqueue(fn, new_task, durable)
 
-    def enqueue(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None) -> asyncio.Future[T]:
+    def enqueue(self, fn: Callable[[sqlite3.Connection], T], new_task: NewTask | None = None,
+                durable: bool = True) -> asyncio.Future[T]:
         """Queue one write for the next group commit; its future is resolved by the writer."""
         if self._writer is None or self._writer.done():
             raise StoreError("the store is closed")
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Op(fn, future, () if new_task is None else (new_task,)))
+        self._queue.put_nowait(_Op(fn, future, () if new_task is None else (new_task,), durable=durable))
         return future
 
     def enqueue_inserts(self, tasks: Sequence[NewTask], insert_one: Callable[[NewTask, sqlite3.Connection], object],
@@ -299,6 +314,7 @@ class Database:
             return
         size = sum(len(op.new_tasks) if op.many else 1 for op in ops)  # a batch of inserts counts its tasks
         self.stats.batches += 1
+        self.stats.synced += self._sync_now > _NORMAL
         self.stats.ops += size
         self.writable = not any(not ok and _unwritable(value) for ok, value in outcomes)
         self.stats.largest_batch = max(self.stats.largest_batch, size)
@@ -312,6 +328,7 @@ class Database:
 
     def _run_batch(self, ops: Sequence[_Op]) -> list[tuple[bool, Any]]:
         conn = self.conn
+        self._sync_for(any(op.durable for op in ops))
         conn.execute("BEGIN IMMEDIATE")
         try:
             results = self._apply_ops(conn, ops)
@@ -321,6 +338,15 @@ class Database:
                 conn.execute("ROLLBACK")
             raise
         return results
+
+    def _sync_for(self, durable: bool) -> None:
+        """(Before BEGIN.) The configured synchronous level for a batch with a durable write in it; at most NORMAL
+        for one without: at a few hundred records/s every poll's journal write was a commit of its own, an fsync
+        a record for records that succeed. A durable batch after it syncs the WAL, the journal's frames with it."""
+        wanted = self._synchronous if durable else min(self._synchronous, _NORMAL)
+        if wanted != self._sync_now:
+            self.conn.execute(f"PRAGMA synchronous={wanted}")
+            self._sync_now = wanted
 
     def _apply_ops(self, conn: sqlite3.Connection, ops: Sequence[_Op]) -> list[tuple[bool, Any]]:
         results: list[tuple[bool, Any] | None] = [None] * len(ops)

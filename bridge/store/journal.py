@@ -16,7 +16,10 @@ class Journal:
 
     async def journal_inflight(self, run_id: str, ranges: list[tuple[str, int, int, int]],
                                committed: list[tuple[str, int, int]], now: int) -> None:
-        """One transaction: this run's in-flight range per partition, and ranges now below the commit pruned."""
+        """One transaction: this run's in-flight range per partition, and ranges now below the commit pruned. Not
+        fsync'd unless it shares its group commit with a durable write: it is read after a crash of the process
+        (a handler that killed it), which a commit written to the WAL survives; after a crash of the machine the
+        records it names run again as first deliveries, not as suspects (the handler died with the machine)."""
 
         def apply(conn: sqlite3.Connection) -> None:
             for topic, partition, lo, hi in ranges:
@@ -25,7 +28,7 @@ class Journal:
             for topic, partition, offset in committed:
                 conn.execute(q("journal_prune"), {"topic": topic, "partition": partition, "committed": offset})
 
-        await self.db.write(apply)
+        await self.db.write(apply, durable=False)
 
     async def journal_suspects(self, run_id: str) -> list[tuple[str, int, int, int]]:
         """Ranges written by earlier runs: their records were being handled when that run ended."""
