@@ -7,6 +7,7 @@ bound: the store's writer thread). A chunk of rows bound into one statement is o
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from collections.abc import Sequence
 from functools import cache
@@ -70,3 +71,28 @@ def attempt_row(attempt: Attempt, task_id: str) -> tuple[Any, ...]:
     return (task_id, attempt.attempt_no, attempt.redrive_no, attempt.started_at, attempt.finished_at,
             attempt.outcome.value, error.type if error else None, error.message if error else None,
             error.stack if error else None, attempt.worker, attempt.late_result_of, attempt.note)
+
+
+def insert_batch(conn: sqlite3.Connection, tasks: list[NewTask]) -> bool:
+    """A group commit's new tasks and their first attempts, in bulk, under a savepoint. False: a row failed and
+    none is inserted (the caller inserts them one by one, so the bad one fails alone)."""
+    conn.execute("SAVEPOINT bulk")
+    try:
+        # In the batch's order (the first of two tasks for one record wins), runs of tasks without an order
+        # key at once, those with one by insert_task's parking rules.
+        for unordered, run in itertools.groupby(tasks, key=lambda t: t.order_key is None):
+            if unordered:
+                insert_rows(conn, "insert_tasks_unordered", TASK_WIDTH, [task_row(t) for t in run])
+            else:
+                conn.executemany(q("insert_task"), [t.params() for t in run])
+        insert_rows(conn, "insert_first_attempts", ATTEMPT_WIDTH,
+                    [attempt_row(t.first_attempt, t.id) for t in tasks if t.first_attempt is not None])
+        conn.execute("RELEASE bulk")
+        return True
+    except Exception:  # sqlite3.Error, or e.g. OverflowError binding a value too large for an INTEGER
+        if not conn.in_transaction:
+            raise  # SQLite rolled the whole transaction back (e.g. SQLITE_FULL): the batch fails as one
+        # A bad row (a duplicate id, a value SQLite cannot hold) fails alone on the one-by-one path.
+        conn.execute("ROLLBACK TO bulk")
+        conn.execute("RELEASE bulk")
+        return False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import sqlite3
@@ -25,9 +24,9 @@ from typing import Any, TypeVar, cast
 import aiosqlite
 
 from bridge.model import NewTask
-from bridge.store.bulk import ATTEMPT_WIDTH, TASK_WIDTH, attempt_row, insert_rows, task_row
+from bridge.store.bulk import insert_batch
 from bridge.store.history import with_history_functions
-from bridge.store.queries import migrations, q
+from bridge.store.queries import migrations
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -352,7 +351,7 @@ class Database:
         results: list[tuple[bool, Any] | None] = [None] * len(ops)
         submits = [i for i, op in enumerate(ops) if op.new_tasks]
         tasks = [task for i in submits for task in ops[i].new_tasks]
-        if len(tasks) > 1 and self._bulk_insert(conn, tasks):
+        if len(tasks) > 1 and insert_batch(conn, tasks):
             for i in submits:
                 op = ops[i]
                 results[i] = (True, [None] * len(op.new_tasks) if op.many else op.new_tasks[0].id)
@@ -371,28 +370,6 @@ class Database:
                 conn.execute("RELEASE op")
                 results[i] = (False, _store_error(e))
         return [r for r in results if r is not None]
-
-    def _bulk_insert(self, conn: sqlite3.Connection, tasks: list[NewTask]) -> bool:
-        conn.execute("SAVEPOINT bulk")
-        try:
-            # In the batch's order (the first of two tasks for one record wins), runs of tasks without an order
-            # key at once, those with one by insert_task's parking rules.
-            for unordered, run in itertools.groupby(tasks, key=lambda t: t.order_key is None):
-                if unordered:
-                    insert_rows(conn, "insert_tasks_unordered", TASK_WIDTH, [task_row(t) for t in run])
-                else:
-                    conn.executemany(q("insert_task"), [t.params() for t in run])
-            insert_rows(conn, "insert_first_attempts", ATTEMPT_WIDTH,
-                        [attempt_row(t.first_attempt, t.id) for t in tasks if t.first_attempt is not None])
-            conn.execute("RELEASE bulk")
-            return True
-        except Exception:  # sqlite3.Error, or e.g. OverflowError binding a value too large for an INTEGER
-            if not conn.in_transaction:
-                raise  # SQLite rolled the whole transaction back (e.g. SQLITE_FULL): the batch fails as one
-            # A bad row (a duplicate id, a value SQLite cannot hold) fails alone on the one-by-one path.
-            conn.execute("ROLLBACK TO bulk")
-            conn.execute("RELEASE bulk")
-            return False
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
