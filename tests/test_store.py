@@ -451,6 +451,8 @@ async def test_a_group_commit_of_journal_writes_alone_is_not_fsynced_and_one_wit
     written, not synced); any durable write in the batch makes the whole commit FULL."""
     db = store.db
     assert await db.write(synchronous_level, durable=False) == 1  # NORMAL
+    assert await db.read(synchronous_level) == 2  # anything else on the writer's connection: FULL, as configured
+    assert await db.write(synchronous_level, durable=False) == 1
     assert await db.write(synchronous_level) == 2  # FULL again for a durable write alone
     batches, synced = store.stats.batches, store.stats.synced
     shared = await asyncio.gather(db.write(synchronous_level, durable=False), store.submit(failure()))

@@ -217,9 +217,14 @@ class Database:
             conn.executescript(f"BEGIN IMMEDIATE;\n{sql}\nPRAGMA user_version={version};\nCOMMIT;")
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` on aiosqlite's connection thread: a whole batch costs one hop, not one per statement."""
-        result: T = await self._db._execute(fn, *args)  # type: ignore[no-untyped-call]
+        """Run `fn` on aiosqlite's connection thread: a whole batch costs one hop, not one per statement. At the
+        configured synchronous level, whatever the last group commit ran at (`_sync_for`)."""
+        result: T = await self._db._execute(self._configured, fn, *args)  # type: ignore[no-untyped-call]
         return result
+
+    def _configured(self, fn: Callable[..., T], *args: Any) -> T:
+        self._sync_for(durable=True)
+        return fn(*args)
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -303,7 +308,7 @@ class Database:
 
     async def _commit_batch(self, ops: list[_Op]) -> None:
         try:
-            outcomes = await self.in_thread(self._run_batch, ops)
+            outcomes = await self._db._execute(self._run_batch, ops)  # type: ignore[no-untyped-call]
         except Exception as e:  # COMMIT failed (disk full, I/O error): nothing of the batch is durable.
             self.writable = False
             error = StoreError(f"{self.path}: write failed: {e}")
