@@ -3,9 +3,10 @@ migrations, and the group-commit writer (SPEC §3, §4.2).
 
 Writes are group-committed: callers enqueue operations (`write`), one writer runs everything queued in a single
 transaction on aiosqlite's connection thread and answers each caller only after COMMIT returned, so storing N
-failures costs one fsync, not N. Each operation runs under its own savepoint: one that fails does not undo the
-others. Reads run on the writer's connection (`read`) or, for a scan of many rows, on a read-only connection of
-their own (`scan`). What a task is and how it moves lives in tasks.py; this module knows SQL, not tasks.
+failures costs one fsync, not N; a group commit of writes that need outlive the process only (the in-flight
+journal) costs none. Each operation runs under its own savepoint: one that fails does not undo the others. Reads
+run on the writer's connection (`read`) or, for a scan of many rows, on a read-only connection of their own
+(`scan`). What a task is and how it moves lives in tasks.py; this module knows SQL, not tasks.
 """
 
 from __future__ import annotations
