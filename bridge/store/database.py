@@ -85,10 +85,10 @@ class WriteStats:
     largest_batch: int = 0
 
 
-# PRAGMA synchronous's levels. NORMAL in WAL mode: a commit is written to the WAL, not fsync'd (the next fsync'd
-# commit or checkpoint syncs it with what came before it): it survives the process's death, not the machine's.
-_LEVELS = {"OFF": 0, "NORMAL": 1, "FULL": 2, "EXTRA": 3}
-_NORMAL = _LEVELS["NORMAL"]
+# PRAGMA synchronous's levels used here (EXTRA is 3). NORMAL in WAL mode: a commit is written to the WAL, not fsync'd
+# (the next fsync'd commit or checkpoint syncs it with what came before it): it survives the process's death, not the
+# machine's.
+_NORMAL, _FULL = 1, 2
 
 _UNWRITABLE = {8, 10, 13, 14}  # SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN
 
@@ -158,7 +158,7 @@ class Database:
         self._queue: asyncio.Queue[_Op | None] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self.stats = WriteStats()
-        self._synchronous = self._sync_now = _LEVELS["FULL"]  # as configured, and as set now (`_prepare`, `_sync_for`)
+        self._synchronous = self._sync_now = _FULL  # as configured, and as set now (`_prepare`, `_sync_for`)
         # False after a write failed for want of space or permission, until a write succeeds again (/readyz).
         self.writable = True
 
