@@ -57,15 +57,18 @@ class Paced:
 
     def start(self, bridge: Bridge | None = None) -> None:
         self.cpu, self.wall = time.process_time(), time.monotonic()
-        stats = bridge.store.stats if bridge is not None else None
-        self.commits, self.synced = (stats.batches, stats.synced) if stats is not None else (0, 0)
+        self.commits, self.synced = _commits(bridge)
 
     def end(self, n: int, bridge: Bridge | None = None) -> tuple[float, float, float, float]:
         """(ms of CPU a record, cores busy, commits a record, fsync'd commits a record)."""
         cpu, wall = time.process_time() - self.cpu, time.monotonic() - self.wall
-        stats = bridge.store.stats if bridge is not None else None
-        commits, synced = (stats.batches - self.commits, stats.synced - self.synced) if stats is not None else (0, 0)
-        return cpu / n * 1000, cpu / wall, commits / n, synced / n
+        commits, synced = _commits(bridge)
+        return cpu / n * 1000, cpu / wall, (commits - self.commits) / n, (synced - self.synced) / n
+
+
+def _commits(bridge: Bridge | None) -> tuple[int, int]:
+    """The bridge's store commits so far, and of them the fsync'd ones (none for the baseline: it has no store)."""
+    return (0, 0) if bridge is None else (bridge.store.stats.batches, bridge.store.stats.synced)
 
 
 def bare_paced(bootstrap: str, topic: str, n: int) -> float:
